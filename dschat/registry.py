@@ -1,0 +1,142 @@
+"""Model-family registry: where each HF causal-LM family keeps its parts.
+
+Everything in step 1-3 that needs to know a model's layout (the gather plan, LoRA
+targets, dropout keys, the reward model's backbone, the fast decode path) asks this
+registry instead of special-casing model types inline. Paths are dotted attribute paths
+from the `*ForCausalLM` module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    model_type: str
+    base_model: str                      # backbone attribute of the causal LM ("transformer")
+    blocks: str                          # nn.ModuleList of transformer blocks
+    embed_tokens: str                    # token embedding (tied head shares its weight)
+    final_norm: Optional[str]            # None where the family may have none
+    lm_head: str
+    tied_head: bool                      # default of config.tie_word_embeddings
+    position: str                        # "alibi" | "rotary" | "learned"
+    # Modules outside the blocks that hold weights and run before the first block
+    # (position tables, embedding norms, projections); gathered with the embeddings.
+    extra_pre: tuple[str, ...] = ()
+    extra_post: tuple[str, ...] = ()     # ... and after the last block, before the head
+    num_padding_at_beginning: int = 0    # DS-Chat's reward-model convention
+    pad_fallback: str = "none"           # "eos": the family's tokenizers ship no pad token
+    dropout_keys: tuple[str, ...] = ()
+    lora_targets: tuple[str, ...] = ()
+    fast_decode: Optional[str] = None    # key into engine.decode's registry, if any
+    aliases: tuple[str, ...] = field(default=())
+
+    @property
+    def lora_module_prefix(self) -> str:
+        """DS-Chat's --lora_module_name for this family: the blocks' path."""
+        return self.blocks + "."
+
+
+_FAMILIES = [
+    ModelFamily(
+        model_type="bloom", base_model="transformer", blocks="transformer.h",
+        embed_tokens="transformer.word_embeddings", final_norm="transformer.ln_f",
+        lm_head="lm_head", tied_head=True, position="alibi",
+        extra_pre=("transformer.word_embeddings_layernorm",),
+        dropout_keys=("hidden_dropout", "attention_dropout"),
+        lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+        fast_decode="bloom",
+    ),
+    ModelFamily(
+        model_type="opt", base_model="model", blocks="model.decoder.layers",
+        embed_tokens="model.decoder.embed_tokens", final_norm="model.decoder.final_layer_norm",
+        lm_head="lm_head", tied_head=True, position="learned",
+        extra_pre=("model.decoder.embed_positions", "model.decoder.project_in"),
+        extra_post=("model.decoder.project_out",),
+        num_padding_at_beginning=1,
+        dropout_keys=("dropout", "attention_dropout", "activation_dropout"),
+        lora_targets=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+        fast_decode="opt",
+    ),
+    ModelFamily(
+        model_type="llama", base_model="model", blocks="model.layers",
+        embed_tokens="model.embed_tokens", final_norm="model.norm",
+        lm_head="lm_head", tied_head=False, position="rotary",
+        pad_fallback="eos", dropout_keys=("attention_dropout",),
+        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        fast_decode="llama", aliases=("mistral", "qwen2"),
+    ),
+    ModelFamily(
+        model_type="gpt_neox", base_model="gpt_neox", blocks="gpt_neox.layers",
+        embed_tokens="gpt_neox.embed_in", final_norm="gpt_neox.final_layer_norm",
+        lm_head="lm_head", tied_head=False, position="rotary", pad_fallback="eos",
+        dropout_keys=("attention_dropout", "hidden_dropout"),
+        lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+    ),
+    ModelFamily(
+        model_type="gpt2", base_model="transformer", blocks="transformer.h",
+        embed_tokens="transformer.wte", final_norm="transformer.ln_f",
+        lm_head="lm_head", tied_head=True, position="learned",
+        extra_pre=("transformer.wpe",), pad_fallback="eos",
+        dropout_keys=("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+        lora_targets=("c_attn", "c_proj", "c_fc"),
+    ),
+]
+
+REGISTRY: dict[str, ModelFamily] = {}
+for _fam in _FAMILIES:
+    REGISTRY[_fam.model_type] = _fam
+    for _alias in _fam.aliases:
+        REGISTRY[_alias] = _fam
+
+
+class UnknownModelTypeError(ValueError):
+    pass
+
+
+def get_family(model_type: str) -> ModelFamily:
+    """The registry entry of `model_type` (config.model_type); unknown types are an error."""
+    try:
+        return REGISTRY[model_type]
+    except KeyError:
+        raise UnknownModelTypeError(
+            f"model_type {model_type!r} is not supported; known model types: "
+            f"{', '.join(sorted(REGISTRY))}") from None
+
+
+def family_of(model_or_config) -> ModelFamily:
+    """Family of an HF model, a PEFT-wrapped model, or a config."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return get_family(config.model_type)
+
+
+def resolve(module: nn.Module, path: str) -> Optional[nn.Module]:
+    """Follow a dotted path from `module`; None where an attribute is absent or None."""
+    obj = module
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The HF causal LM under a peft wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    model = unwrap_peft(model)
+    return resolve(model, family_of(model).blocks)
+
+
+def head_is_tied(model: nn.Module) -> bool:
+    """Whether this model instance's LM head shares the embedding's weight."""
+    model = unwrap_peft(model)
+    fam = family_of(model)
+    head, emb = resolve(model, fam.lm_head), resolve(model, fam.embed_tokens)
+    return head is not None and emb is not None and head.weight is emb.weight

@@ -1,0 +1,13 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="dschat",
+    version="0.1.0",
+    description="DeepSpeed-Chat fork: SFT, reward model and PPO for every common HF causal-LM "
+                "family under every ZeRO stage, with its own ZeRO-3-correct generation engine",
+    packages=find_packages(include=["dschat", "dschat.*"]),
+    package_data={"dschat": ["assets/tokenizer/*", "assets/data/*"]},
+    include_package_data=True,
+    python_requires=">=3.9",
+    install_requires=[l.strip() for l in open("requirements.txt") if l.strip() and not l.startswith("#")],
+)
