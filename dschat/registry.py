@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch.nn as nn
 
+from dschat.utils.errors import UserInputError
+
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -93,7 +95,7 @@ for _fam in _FAMILIES:
         REGISTRY[_alias] = _fam
 
 
-class UnknownModelTypeError(ValueError):
+class UnknownModelTypeError(UserInputError):
     pass
 
 
@@ -121,6 +123,11 @@ def resolve(module: nn.Module, path: str) -> Optional[nn.Module]:
         if obj is None:
             return None
     return obj
+
+
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear, or GPT-2's transposed Conv1D linear."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:

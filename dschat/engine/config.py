@@ -1,0 +1,104 @@
+"""DeepSpeed config dicts built from flags (as upstream: never from a JSON file).
+
+`train_ds_config` is for engines that train (actor, critic, SFT, reward model);
+`eval_ds_config` for frozen ones (reference, reward). Both are plain dicts, so
+they can be printed, saved beside a checkpoint and diffed.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+DTYPES = ("fp32", "fp16", "bf16")
+
+
+def _precision_section(dtype: str) -> dict:
+    if dtype == "fp16":
+        return {"fp16": {"enabled": True, "loss_scale_window": 100, "initial_scale_power": 16}}
+    if dtype == "bf16":
+        return {"bf16": {"enabled": True}}
+    if dtype == "fp32":
+        return {}
+    raise ValueError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+def _zero_section(stage: int, offload: bool, *, persistence_threshold: float,
+                  max_live_parameters: float, prefetch_bucket_size: float) -> dict:
+    device = "cpu" if offload else "none"
+    zero = {
+        "stage": stage,
+        "offload_param": {"device": device},
+        "offload_optimizer": {"device": device},
+        "stage3_param_persistence_threshold": persistence_threshold,
+        "stage3_max_live_parameters": max_live_parameters,
+        "stage3_prefetch_bucket_size": prefetch_bucket_size,
+        "memory_efficient_linear": False,
+    }
+    if stage < 3:  # parameter offload exists only at stage 3
+        zero["offload_param"] = {"device": "none"}
+    return zero
+
+
+def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
+                    gradient_accumulation_steps: int = 1, offload: bool = False,
+                    gradient_clipping: float = 1.0, persistence_threshold: float = 1e4,
+                    max_live_parameters: float = 3e7, prefetch_bucket_size: float = 3e7,
+                    enable_tensorboard: bool = False, tensorboard_path: str = "",
+                    job_name: str = "dschat") -> dict:
+    """Config of a trained engine. The optimizer is built by us and passed in."""
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "steps_per_print": 10 ** 9,  # we log ourselves
+        "zero_optimization": _zero_section(
+            zero_stage, offload, persistence_threshold=persistence_threshold,
+            max_live_parameters=max_live_parameters, prefetch_bucket_size=prefetch_bucket_size),
+        "gradient_clipping": gradient_clipping,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+        # we pass torch's AdamW when not offloading; DeepSpeedCPUAdam when offloading
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    config.update(_precision_section(dtype))
+    if enable_tensorboard:
+        config["tensorboard"] = {"enabled": True, "output_path": f"{tensorboard_path}/ds_tensorboard_logs/",
+                                 "job_name": f"{job_name}_tensorboard"}
+    return config
+
+
+def eval_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int = 1,
+                   offload: bool = False, persistence_threshold: float = 1e4) -> dict:
+    """Config of a frozen engine (reference, reward): no optimizer."""
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "steps_per_print": 10 ** 9,
+        "zero_optimization": _zero_section(
+            zero_stage, offload, persistence_threshold=persistence_threshold,
+            max_live_parameters=3e7, prefetch_bucket_size=3e7),
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+    }
+    config.update(_precision_section(dtype))
+    return config
+
+
+def zero_stage_of(ds_config: dict | None) -> int:
+    return int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+
+
+@contextmanager
+def hf_zero3_loading(ds_config: dict | None):
+    """Keep transformers' `HfDeepSpeedConfig` alive while a model loads under ZeRO-3.
+
+    transformers holds only a weak reference to it; while it lives, `from_pretrained`
+    builds inside `deepspeed.zero.Init`, so each rank materialises only its shard.
+    """
+    if zero_stage_of(ds_config) != 3:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+    keep_alive = HfDeepSpeedConfig(ds_config)
+    try:
+        yield keep_alive
+    finally:
+        del keep_alive

@@ -1,0 +1,70 @@
+"""Process-group setup and the few collectives the entry points need."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def init_distributed(local_rank: int = -1) -> torch.device:
+    """Start (or join) the process group through DeepSpeed; return this rank's device.
+
+    Works under the `deepspeed` launcher, `torchrun`, and as a single plain process
+    (world size 1). On machines without GPUs DeepSpeed's CPU accelerator uses gloo.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if local_rank < 0:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if "RANK" not in os.environ:  # plain `python main.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    accel = get_accelerator()
+    if accel.device_name() == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device(accel.device_name())
+    deepspeed.init_distributed(dist_backend=None if accel.device_name() == "cuda" else "gloo")
+    return device
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks (a new tensor; the input is left unchanged)."""
+    out = value.detach().clone().float()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(out)
+        out /= torch.distributed.get_world_size()
+    return out
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    out = value.detach().clone()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(out)
+    return out
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB
+    except ImportError:
+        return float("nan")

@@ -1,0 +1,48 @@
+"""Optimizer, parameter groups and LR schedule, as upstream DeepSpeed-Chat builds them."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from transformers import get_scheduler
+
+NO_DECAY_KEYS = ("bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight",
+                 "ln_1.weight", "ln_2.weight", "word_embeddings_layernorm.weight")
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                 "constant_with_warmup")
+
+
+def grouped_parameters(model: nn.Module, weight_decay: float, lora_lr: float = 5e-4) -> list[dict]:
+    """Three groups as upstream: decayed, no-decay (biases and norm weights), LoRA."""
+    decay, no_decay, lora = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if "lora_" in name:
+            lora.append(p)
+        elif any(k in name.lower() for k in NO_DECAY_KEYS):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0},
+              {"params": lora, "weight_decay": weight_decay, "lr": lora_lr}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: float,
+                    offload: bool, betas=(0.9, 0.95)) -> torch.optim.Optimizer:
+    """DeepSpeed's CPU Adam when the optimizer state is offloaded, else torch AdamW.
+
+    torch's AdamW runs on every accelerator (and on the CPU test machines) without a JIT
+    build; DeepSpeedCPUAdam is what makes offloaded steps fast.
+    """
+    groups = grouped_parameters(model, weight_decay, lora_lr)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(groups, lr=lr, betas=betas)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def build_lr_scheduler(optimizer, name: str, num_warmup_steps: int, num_training_steps: int):
+    return get_scheduler(name=name, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
+                         num_training_steps=num_training_steps)

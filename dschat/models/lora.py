@@ -1,0 +1,76 @@
+"""LoRA through peft, under DS-Chat's flag names.
+
+`--lora_dim` is peft's rank; `--lora_module_name` restricts LoRA to modules under that
+prefix (upstream's default `decoder.layers.` is OPT's; we default to the family's block
+path); the linear layers wrapped are the family's default LoRA targets. As upstream,
+lora_alpha = lora_dim (scaling 1).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+
+from dschat.registry import family_of, is_linear
+from dschat.utils.errors import UserInputError
+
+PEFT_PREFIX = "base_model.model."
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def apply_lora(model: nn.Module, lora_dim: int, lora_module_name: str | None = None,
+               only_optimize_lora: bool = False, lora_dropout: float = 0.0) -> nn.Module:
+    """Wrap `model` with LoRA adapters; without `only_optimize_lora` every weight still trains."""
+    if lora_dim <= 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    fam = family_of(model)
+    prefix = (lora_module_name or fam.lora_module_prefix).rstrip(".")
+    targets = "|".join(re.escape(t) for t in fam.lora_targets)
+    pattern = rf"(.*\.)?{re.escape(prefix)}\..*\.({targets})"
+    names = [n for n, m in model.named_modules() if is_linear(m) and re.fullmatch(pattern, n)]
+    if not names:
+        raise UserInputError(
+            f"--lora_module_name {lora_module_name or prefix!r} matches no linear layer of this "
+            f"{fam.model_type} model (its blocks live under {fam.blocks!r}; LoRA targets "
+            f"{', '.join(fam.lora_targets)})")
+    config = LoraConfig(r=lora_dim, lora_alpha=lora_dim, lora_dropout=lora_dropout,
+                        target_modules=pattern, bias="none")
+    peft_model = get_peft_model(model, config)
+    if not only_optimize_lora:
+        for p in peft_model.parameters():
+            p.requires_grad_(True)
+    return peft_model
+
+
+def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Base-model state dict with every LoRA delta folded into its base weight.
+
+    `state` is the model's full (gathered) state dict; for a plain model it is returned
+    unchanged. Works on copies: the trained tensors are never modified.
+    """
+    if not is_peft_model(model):
+        return state
+    out, deltas = {}, {}
+    for lora_module_path, module in model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "scaling"):
+            for adapter, scale in module.scaling.items():
+                a = state[f"{lora_module_path}.lora_A.{adapter}.weight"].float()
+                b = state[f"{lora_module_path}.lora_B.{adapter}.weight"].float()
+                delta = (b @ a) * scale
+                if getattr(module, "fan_in_fan_out", False):  # GPT-2's Conv1D stores W^T
+                    delta = delta.T
+                deltas[f"{lora_module_path}.base_layer.weight"] = delta
+    for name, tensor in state.items():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        if name in deltas:
+            tensor = (tensor.float() + deltas[name]).to(tensor.dtype)
+        clean = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+        out[clean.replace(".base_layer.", ".")] = tensor
+    return out

@@ -1,0 +1,180 @@
+"""Load, create and save HF causal LMs and their tokenizers.
+
+A `model_name_or_path` may be a local model folder (weights loaded by `from_pretrained`,
+partitioned at load time under ZeRO-3), a `config.json` file or a folder holding only a
+config (seeded random init: the demo and the tests), or a hub name.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from dschat.data.assets import bundled_tokenizer_path
+from dschat.registry import family_of, get_family, unwrap_peft
+from dschat.utils.errors import UserInputError
+from dschat.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _is_local(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def has_weights(folder: str | Path) -> bool:
+    folder = Path(folder)
+    return folder.is_dir() and any((folder / f).exists() for f in WEIGHT_FILES)
+
+
+def _config_file(path: str) -> Path | None:
+    p = Path(path)
+    if p.is_file() and p.suffix == ".json":
+        return p
+    if p.is_dir() and (p / "config.json").exists():
+        return p / "config.json"
+    return None
+
+
+def load_config(model_name_or_path: str):
+    """HF config from a config.json file, a model folder or a hub name."""
+    cfg_file = _config_file(model_name_or_path)
+    if cfg_file is not None:
+        with open(cfg_file) as f:
+            data = json.load(f)
+        if "model_type" not in data:
+            raise UserInputError(f"{cfg_file}: not a model config (no 'model_type')")
+        get_family(data["model_type"])  # unknown types fail here, listing the known ones
+        return AutoConfig.for_model(**data)
+    if _is_local(model_name_or_path):
+        raise UserInputError(f"{model_name_or_path}: no config.json there; pass a model folder "
+                             "or a config.json file")
+    try:
+        return AutoConfig.from_pretrained(model_name_or_path)
+    except (OSError, ValueError) as e:
+        raise UserInputError(
+            f"cannot load model {model_name_or_path!r} from the hub ({type(e).__name__}); "
+            "download it and pass the local folder instead") from None
+
+
+def load_tokenizer(model_name_or_path: str | None, *, add_eot_token: bool = False,
+                   eot_token: str = "<|endoftext|>"):
+    """The model's own tokenizer when its folder has one, else the bundled tokenizer.
+
+    The pad token follows the family convention: families whose tokenizers ship none
+    (llama, gpt2, gpt_neox) pad with eos, as upstream does.
+    """
+    source = model_name_or_path
+    if source is None:
+        source = str(bundled_tokenizer_path())
+    elif _is_local(source):
+        folder = Path(source) if Path(source).is_dir() else Path(source).parent
+        if not any((folder / f).exists() for f in TOKENIZER_FILES):
+            source = str(bundled_tokenizer_path())
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, fast_tokenizer=True)
+    except (OSError, ValueError) as e:
+        raise UserInputError(f"cannot load a tokenizer from {source!r} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200]}); pass a local model folder") from None
+    if add_eot_token and eot_token not in tokenizer.get_vocab():
+        tokenizer.add_special_tokens({"additional_special_tokens": [eot_token]})
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def apply_dropout(config, dropout: float | None) -> None:
+    """Set every dropout key of the family to `dropout` (None keeps the model's own)."""
+    if dropout is None:
+        return
+    for key in family_of(config).dropout_keys:
+        if hasattr(config, key):
+            setattr(config, key, dropout)
+
+
+def padded_vocab_size(tokenizer_len: int, current: int) -> int:
+    """Embedding rows: at least the tokenizer's size, rounded up to a multiple of 8."""
+    return int(8 * math.ceil(max(tokenizer_len, current) / 8.0))
+
+
+def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | None = None,
+                    dropout: float | None = None, seed: int = 1234,
+                    model_class=AutoModelForCausalLM) -> nn.Module:
+    """A causal LM in fp32, ready for `deepspeed.initialize`.
+
+    Under ZeRO-3 (`ds_config` stage 3) weights from a folder load partitioned; random init
+    from a config happens outside `zero.Init` (transformers' OPT init indexes the padding
+    row of a partitioned, empty weight there) and `deepspeed.initialize` partitions it.
+    """
+    from dschat.engine.config import hf_zero3_loading
+
+    config = load_config(model_name_or_path)
+    apply_dropout(config, dropout)
+    config.pad_token_id = tokenizer.pad_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.end_token_id = tokenizer.eos_token_id  # upstream's name, read by old checkpoints
+    folder = Path(model_name_or_path)
+    if _config_file(model_name_or_path) is not None and not has_weights(folder):
+        torch.manual_seed(seed)
+        model = model_class.from_config(config, dtype=torch.float32)
+        logger.info(f"random init of a {config.model_type} model from {model_name_or_path} (seed {seed})")
+    else:
+        try:
+            with hf_zero3_loading(ds_config):
+                model = model_class.from_pretrained(model_name_or_path, config=config,
+                                                    dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise UserInputError(f"cannot load weights from {model_name_or_path!r}: "
+                                 f"{str(e).splitlines()[0][:300]}") from None
+    model.config.pad_token_id = tokenizer.pad_token_id
+    want = padded_vocab_size(len(tokenizer), model.get_input_embeddings().num_embeddings)
+    if want != model.get_input_embeddings().num_embeddings:
+        with hf_zero3_loading(ds_config):
+            model.resize_token_embeddings(want)
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def save_hf_format(module: nn.Module, tokenizer, output_dir: str | Path, *, rank: int = 0,
+                   extra_files: dict[str, dict] | None = None) -> None:
+    """Write `module` as an HF model folder (config, safetensors, tokenizer, generation config).
+
+    Works under every ZeRO stage: parameters are gathered one at a time (collective: every
+    rank must call this), only rank 0 writes. LoRA is merged into the saved weights (the
+    trained tensors stay as they are); tied weights are saved once and stay tied on load.
+    """
+    from dschat.engine.zero import full_state_dict
+    from dschat.models.lora import merged_state_dict
+
+    state = full_state_dict(module, rank=rank)
+    if rank != 0:
+        return
+    base = unwrap_peft(module)
+    state = merged_state_dict(module, state)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    # A model with ZeRO-3-partitioned (empty) tensors cannot serialise itself: build a
+    # plain copy of the architecture on the meta device and save the gathered weights.
+    with torch.device("meta"):
+        skeleton = type(base)(base.config)
+    skeleton.load_state_dict(state, strict=False, assign=True)
+    skeleton.tie_weights()
+    skeleton.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    gen = getattr(base, "generation_config", None) or GenerationConfig.from_model_config(base.config)
+    gen.save_pretrained(output_dir)
+    for name, payload in (extra_files or {}).items():
+        with open(output_dir / name, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True, default=str)

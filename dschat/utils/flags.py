@@ -1,0 +1,153 @@
+"""DS-Chat's command-line flags (names and defaults kept), defined once per group.
+
+The library never parses argv: entry points build a parser from these groups, parse,
+then call `validate_*` which collects every problem and raises them together.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from dschat.data.assets import BUNDLED_DATASET_NAME
+from dschat.utils.errors import UserInputError
+
+DTYPE_CHOICES = ("fp32", "fp16", "bf16")
+SCHEDULER_CHOICES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                     "constant_with_warmup")
+
+
+def add_data_args(parser: argparse.ArgumentParser, *, default_data=(BUNDLED_DATASET_NAME,)) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument("--data_path", nargs="*", default=list(default_data),
+                   help="Datasets: local files (jsonl/json/parquet/csv, gzipped too), folders, "
+                        "save_to_disk folders or hub names; several are blended. Default: the "
+                        f"bundled demo dataset {BUNDLED_DATASET_NAME!r}.")
+    g.add_argument("--data_split", type=str, default="2,4,4",
+                   help="Comma-separated proportions of each dataset for steps 1,2,3 (e.g. 2,4,4 "
+                        "gives step 1 the first 20%%). Use the same split and seed in all steps "
+                        "to keep their data disjoint.")
+    g.add_argument("--sft_only_data_path", nargs="*", default=[],
+                   help="Datasets used whole in step 1 only.")
+    g.add_argument("--data_output_path", type=str, default="/tmp/data_files/",
+                   help="Where tokenised datasets are cached (shared by the ranks of a node).")
+
+
+def add_model_train_args(parser: argparse.ArgumentParser, *, learning_rate: float) -> None:
+    g = parser.add_argument_group("model and training")
+    g.add_argument("--model_name_or_path", type=str, required=True,
+                   help="A model folder, a config.json (random init, for demos/tests) or a hub name.")
+    g.add_argument("--per_device_train_batch_size", type=int, default=16,
+                   help="Micro-batch size per device for training.")
+    g.add_argument("--per_device_eval_batch_size", type=int, default=16,
+                   help="Micro-batch size per device for evaluation.")
+    g.add_argument("--max_seq_len", type=int, default=512, help="Sequence length (prompt + answer).")
+    g.add_argument("--learning_rate", type=float, default=learning_rate, help="Initial learning rate.")
+    g.add_argument("--weight_decay", type=float, default=0.0, help="Weight decay.")
+    g.add_argument("--num_train_epochs", type=int, default=1, help="Training epochs.")
+    g.add_argument("--max_steps", type=int, default=0,
+                   help="Stop after this many optimizer steps (0: run all epochs).")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                   help="Micro-batches accumulated per optimizer step.")
+    g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULER_CHOICES,
+                   help="Learning-rate schedule.")
+    g.add_argument("--num_warmup_steps", type=int, default=0, help="Warm-up steps of the schedule.")
+    g.add_argument("--output_dir", type=str, default=None,
+                   help="Where the final model is written (at its root) with metrics and config.")
+    g.add_argument("--seed", type=int, default=1234, help="Seed for data split, init and sampling.")
+    g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
+    g.add_argument("--gradient_checkpointing", action="store_true",
+                   help="Recompute activations in backward to save memory.")
+    g.add_argument("--dropout", type=float, default=None,
+                   help="Set every dropout of the model to this value (default: keep the model's).")
+    g.add_argument("--offload", action="store_true",
+                   help="ZeRO-Offload: optimizer state (and at stage 3 parameters) in CPU memory.")
+    g.add_argument("--dtype", type=str, default="fp16", choices=DTYPE_CHOICES,
+                   help="Training precision (fp32 on CPU).")
+    g.add_argument("--zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage.")
+    g.add_argument("--compute_fp32_loss", action="store_true",
+                   help="Kept for DS-Chat compatibility: losses are always computed in fp32.")
+    g.add_argument("--print_loss", action="store_true", help="Print the loss of every step.")
+    g.add_argument("--eval_interval", type=int, default=0,
+                   help="Evaluate every this many steps (0: once per epoch).")
+    g.add_argument("--eval_iters", type=int, default=100, help="Evaluation batches at most.")
+    g.add_argument("--add_eot_token", action="store_true",
+                   help="Add --eot_token to the tokenizer and end every answer with it.")
+    g.add_argument("--eot_token", type=str, default="<|endoftext|>", help="End-of-turn token.")
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("LoRA")
+    g.add_argument("--lora_dim", type=int, default=0, help="LoRA rank (0: no LoRA).")
+    g.add_argument("--lora_module_name", type=str, default=None,
+                   help="Apply LoRA only under this module prefix (default: the family's "
+                        "transformer blocks, e.g. transformer.h. for Bloom, decoder.layers. for OPT).")
+    g.add_argument("--only_optimize_lora", action="store_true",
+                   help="Train only the LoRA weights.")
+    g.add_argument("--lora_learning_rate", type=float, default=5e-4, help="LoRA learning rate.")
+
+
+def add_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("logging")
+    g.add_argument("--enable_tensorboard", action="store_true", help="Also log to TensorBoard.")
+    g.add_argument("--tensorboard_path", type=str, default="step_tensorboard",
+                   help="TensorBoard log folder (relative paths go under --output_dir).")
+    g.add_argument("--enable_wandb", action="store_true",
+                   help="Also log to wandb (offline unless WANDB_MODE/WANDB_API_KEY say otherwise).")
+    g.add_argument("--wandb_project", type=str, default="dschat", help="wandb project name.")
+
+
+def split_fractions(data_split: str) -> list[float]:
+    try:
+        parts = [float(x) for x in data_split.split(",")]
+    except ValueError:
+        raise UserInputError(f"--data_split {data_split!r}: expected three numbers like 2,4,4") from None
+    if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise UserInputError(f"--data_split {data_split!r}: expected three non-negative numbers like 2,4,4")
+    return [p / sum(parts) for p in parts]
+
+
+def common_problems(args) -> list[str]:
+    """Problems shared by steps 1 and 2; every one is collected, none raised here."""
+    problems = []
+    try:
+        split_fractions(args.data_split)
+    except UserInputError as e:
+        problems.append(str(e))
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "max_seq_len",
+                 "gradient_accumulation_steps", "num_train_epochs"):
+        if getattr(args, flag) < 1:
+            problems.append(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.learning_rate <= 0:
+        problems.append(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        problems.append(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.offload and args.zero_stage == 0:
+        problems.append("--offload needs --zero_stage 1, 2 or 3 (ZeRO-Offload offloads ZeRO state)")
+    if args.lora_dim < 0:
+        problems.append(f"--lora_dim must be >= 0, got {args.lora_dim}")
+    if args.lora_dim == 0 and args.only_optimize_lora:
+        problems.append("--only_optimize_lora needs --lora_dim > 0")
+    if args.lora_dim == 0 and args.lora_module_name:
+        problems.append("--lora_module_name needs --lora_dim > 0")
+    if args.only_optimize_lora and args.gradient_checkpointing:
+        problems.append("--only_optimize_lora and --gradient_checkpointing cannot be combined "
+                        "(no input requires grad, as upstream)")
+    if args.output_dir is None:
+        problems.append("--output_dir is required")
+    path = args.model_name_or_path
+    if path and _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+        problems.append(f"--model_name_or_path {path}: no such file or folder")
+    for p in list(args.data_path) + list(args.sft_only_data_path):
+        if _looks_local(p) and not os.path.exists(os.path.expanduser(p)):
+            problems.append(f"--data_path {p}: no such file or folder")
+    return problems
+
+
+def _looks_local(path: str) -> bool:
+    """A path the user meant as local (hub names look like `org/name`)."""
+    return path.startswith((".", "/", "~")) or path.endswith((".json", ".jsonl", ".csv", ".parquet", ".gz"))
+
+
+def raise_problems(problems: list[str]) -> None:
+    if problems:
+        raise UserInputError("invalid flags:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Step 1: supervised fine-tuning of a causal LM on prompt + chosen answers.
+
+    deepspeed training/step1_supervised_finetuning/main.py \
+        --model_name_or_path configs/tiny/bloom.json --dtype fp32 --zero_stage 3 \
+        --output_dir output/step1
+
+The final model is written at the root of --output_dir (HF format), so step 2 and step 3
+take that folder as their model path; metrics.jsonl and the resolved configuration sit
+beside it.
+"""
+import argparse
+import math
+import time
+
+import torch
+from tqdm import tqdm
+
+from dschat.data import create_prompt_dataset
+from dschat.engine.config import train_ds_config
+from dschat.engine.distributed import all_reduce_sum, init_distributed, peak_memory_gib, rank
+from dschat.engine.optim import build_lr_scheduler, build_optimizer
+from dschat.engine.train_utils import (evaluate_lm, lm_loss_sum, make_loader, micro_batch_groups,
+                                       to_device, token_count)
+from dschat.models.lora import apply_lora
+from dschat.models.model_utils import create_hf_model, load_tokenizer, save_hf_format
+from dschat.utils import flags
+from dschat.utils.logging import print_rank_0
+from dschat.utils.metrics import MetricsLogger
+from dschat.utils.run import main_guard, resolve_under, resolved_config, save_json, set_seed
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags.add_data_args(parser)
+    flags.add_model_train_args(parser, learning_rate=1e-3)
+    flags.add_lora_args(parser)
+    flags.add_logging_args(parser)
+    return parser.parse_args(argv)
+
+
+def validate(args) -> None:
+    flags.raise_problems(flags.common_problems(args))
+
+
+def build_engine(args, tokenizer, ds_config, num_update_steps):
+    import deepspeed
+
+    model = create_hf_model(args.model_name_or_path, tokenizer, ds_config=ds_config,
+                            dropout=args.dropout, seed=args.seed)
+    model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    optimizer = build_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                lora_lr=args.lora_learning_rate, offload=args.offload)
+    scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
+                                   num_update_steps)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=ds_config, dist_init_required=True)
+    return engine
+
+
+def train_step(engine, group, device, accumulation: int, world: int) -> float:
+    """One optimizer step over `group` micro-batches, loss weighted by global token count.
+
+    Each micro-batch's summed loss is scaled so that, after DeepSpeed averages gradients
+    over ranks and accumulation steps, the update is the mean over every loss token of
+    the global batch; a step's loss then does not depend on how it was split into
+    micro-batches and ranks.
+    """
+    tokens = all_reduce_sum(token_count(group)).item()
+    scale = world * accumulation / max(tokens, 1.0)  # DeepSpeed divides by both
+    total = torch.zeros((), device=device)
+    for batch in group:
+        batch = to_device(batch, device)
+        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        use_cache=False).logits
+        loss_sum = lm_loss_sum(logits, batch["labels"])
+        engine.backward(loss_sum * scale)
+        engine.step()
+        total += loss_sum.detach()
+    return all_reduce_sum(total).item() / max(tokens, 1.0)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    validate(args)
+    device = init_distributed(args.local_rank)
+    world = torch.distributed.get_world_size()
+    set_seed(args.seed)
+
+    tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
+                               eot_token=args.eot_token)
+    train_data, eval_data = create_prompt_dataset(
+        args.local_rank, args.data_path, args.data_split, args.data_output_path, 1, args.seed,
+        tokenizer, args.max_seq_len, end_of_conversation_token=args.eot_token if args.add_eot_token else None,
+        sft_only_data_path=args.sft_only_data_path)
+    train_loader = make_loader(train_data, args.per_device_train_batch_size, shuffle=True, seed=args.seed)
+    eval_loader = make_loader(eval_data, args.per_device_eval_batch_size, shuffle=False, seed=args.seed)
+    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+    total_steps = steps_per_epoch * args.num_train_epochs
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+
+    ds_config = train_ds_config(
+        zero_stage=args.zero_stage, dtype=args.dtype, micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, offload=args.offload,
+        enable_tensorboard=False)
+    engine = build_engine(args, tokenizer, ds_config, total_steps)
+    run_config = resolved_config(args, ds_config=ds_config, world_size=world,
+                                 train_rows=len(train_data), eval_rows=len(eval_data))
+    print_rank_0(f"resolved configuration: {run_config}")
+    metrics = MetricsLogger(args.output_dir, enable_tensorboard=args.enable_tensorboard,
+                            tensorboard_path=resolve_under(args.output_dir, args.tensorboard_path),
+                            enable_wandb=args.enable_wandb, wandb_project=args.wandb_project,
+                            config=run_config)
+
+    result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
+    print_rank_0(f"before training: eval loss {result['loss']:.4f}, perplexity {result['ppl']:.3f}")
+    metrics.log(0, {"eval/loss": result["loss"], "eval/ppl": result["ppl"]})
+
+    step = 0
+    progress = tqdm(total=total_steps, desc="step 1 (SFT)", disable=rank() != 0)
+    for epoch in range(args.num_train_epochs):
+        train_loader.sampler.set_epoch(epoch)
+        for group in micro_batch_groups(train_loader, args.gradient_accumulation_steps):
+            if step >= total_steps:
+                break
+            start = time.time()
+            loss = train_step(engine, group, device, args.gradient_accumulation_steps, world)
+            step += 1
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.4f}")
+            if args.print_loss:
+                print_rank_0(f"epoch {epoch} step {step} loss {loss:.6f}")
+            metrics.log(step, {"train/loss": loss, "train/lr": engine.get_lr()[0],
+                               "train/epoch": epoch, "time/step_s": time.time() - start,
+                               "memory/peak_gib": peak_memory_gib(device)})
+            if args.eval_interval and step % args.eval_interval == 0:
+                result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
+                metrics.log(step, {"eval/loss": result["loss"], "eval/ppl": result["ppl"]})
+        result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
+        print_rank_0(f"epoch {epoch}: eval loss {result['loss']:.4f}, perplexity {result['ppl']:.3f}")
+        metrics.log(step, {"eval/loss": result["loss"], "eval/ppl": result["ppl"], "train/epoch": epoch})
+    progress.close()
+
+    save_hf_format(engine.module, tokenizer, args.output_dir, rank=rank())
+    if rank() == 0:
+        run_config["final_eval"] = result
+        save_json(run_config, f"{args.output_dir}/training_config.json")
+    metrics.close()
+    print_rank_0(f"saved the model to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main_guard(main)
