@@ -38,8 +38,10 @@ class ModelFamily:
 
     @property
     def lora_module_prefix(self) -> str:
-        """DS-Chat's --lora_module_name for this family: the blocks' path."""
-        return self.blocks + "."
+        """DS-Chat's --lora_module_name for this family: the blocks' path below the
+        backbone (`decoder.layers.` for OPT, upstream's default), so it matches in the
+        causal LM and in the reward model's backbone alike."""
+        return self.blocks[len(self.base_model) + 1:] + "."
 
 
 _FAMILIES = [

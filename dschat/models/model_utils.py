@@ -141,7 +141,7 @@ def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | Non
     if want != model.get_input_embeddings().num_embeddings:
         with hf_zero3_loading(ds_config):
             model.resize_token_embeddings(want)
-    if model.generation_config is not None:
+    if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
@@ -172,9 +172,16 @@ def save_hf_format(module: nn.Module, tokenizer, output_dir: str | Path, *, rank
     skeleton.load_state_dict(state, strict=False, assign=True)
     skeleton.tie_weights()
     skeleton.save_pretrained(output_dir, safe_serialization=True)
-    tokenizer.save_pretrained(output_dir)
-    gen = getattr(base, "generation_config", None) or GenerationConfig.from_model_config(base.config)
-    gen.save_pretrained(output_dir)
+    save_tokenizer_and_config(base.config, tokenizer, output_dir,
+                              getattr(base, "generation_config", None))
     for name, payload in (extra_files or {}).items():
         with open(output_dir / name, "w") as f:
             json.dump(payload, f, indent=2, sort_keys=True, default=str)
+
+
+def save_tokenizer_and_config(config, tokenizer, output_dir: str | Path, generation_config=None) -> None:
+    """The non-weight files of a model folder: config, tokenizer, generation config."""
+    config.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    gen = generation_config or GenerationConfig.from_model_config(config)
+    gen.save_pretrained(output_dir)
