@@ -1,0 +1,136 @@
+"""Builds the four (five with EMA) DeepSpeed engines of step 3.
+
+actor (trained, wrapped in our HybridActor), reference (frozen copy of the SFT model),
+critic (trained, from the reward model), reward (frozen), optional EMA of the actor.
+As upstream, reference and reward run at ZeRO-3 when their trained partner does, else
+at stage 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dschat.engine.config import eval_ds_config, train_ds_config
+from dschat.engine.optim import build_lr_scheduler, build_optimizer
+from dschat.engine.zero import gathered
+from dschat.models.lora import apply_lora
+from dschat.models.model_utils import create_hf_model
+from dschat.models.reward_model import load_reward_model
+from dschat.rlhf.ppo_math import ema_update_
+from dschat.utils.logging import print_rank_0
+
+
+@dataclass
+class RLHFEngines:
+    actor: object          # deepspeed engine of the causal LM
+    ref: object
+    critic: object         # deepspeed engine of the RewardModel
+    reward: object
+    ema: object | None
+    hybrid: object         # dschat.engine.hybrid.HybridActor around `actor`
+    actor_ds_config: dict
+    critic_ds_config: dict
+
+
+def _frozen_stage(trained_stage: int) -> int:
+    return 3 if trained_stage == 3 else 0
+
+
+def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) -> RLHFEngines:
+    import deepspeed
+
+    from dschat.engine.hybrid import HybridActor
+
+    actor_cfg = train_ds_config(
+        zero_stage=args.actor_zero_stage, dtype=args.dtype, offload=args.offload,
+        micro_batch_size=args.per_device_training_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps)
+    critic_cfg = train_ds_config(
+        zero_stage=args.critic_zero_stage, dtype=args.dtype, offload=args.offload,
+        micro_batch_size=args.per_device_training_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps)
+
+    # actor
+    actor = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=actor_cfg,
+                            dropout=args.actor_dropout, seed=args.seed)
+    actor = apply_lora(actor, args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
+    if args.actor_gradient_checkpointing:
+        actor.gradient_checkpointing_enable()
+    opt = build_optimizer(actor, lr=args.actor_learning_rate, weight_decay=args.actor_weight_decay,
+                          lora_lr=args.actor_lora_learning_rate, offload=args.offload)
+    sched = build_lr_scheduler(opt, args.lr_scheduler_type, args.num_warmup_steps, num_total_iters)
+    actor_engine, *_ = deepspeed.initialize(model=actor, optimizer=opt, lr_scheduler=sched, config=actor_cfg)
+    print_rank_0(f"actor engine ready (ZeRO-{args.actor_zero_stage})")
+
+    # reference: the SFT model, frozen
+    ref_cfg = eval_ds_config(zero_stage=_frozen_stage(args.actor_zero_stage), dtype=args.dtype,
+                             offload=args.offload_reference_model)
+    ref = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
+    ref_engine, *_ = deepspeed.initialize(model=ref, config=ref_cfg)
+
+    ema_engine = None
+    if args.enable_ema:
+        ema = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
+        ema_engine, *_ = deepspeed.initialize(model=ema, config=ref_cfg)
+
+    # critic: from the reward model, trained
+    critic = load_reward_model(args.critic_model_name_or_path, tokenizer, dropout=args.critic_dropout,
+                               flag="--critic_model_name_or_path")
+    critic.rwtransformer = apply_lora(critic.rwtransformer, args.critic_lora_dim,
+                                      args.critic_lora_module_name, args.only_optimize_lora)
+    if args.critic_gradient_checkpointing:
+        critic.gradient_checkpointing_enable()
+    opt = build_optimizer(critic, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay,
+                          lora_lr=args.critic_lora_learning_rate, offload=args.offload)
+    sched = build_lr_scheduler(opt, args.lr_scheduler_type, args.num_warmup_steps, num_total_iters)
+    critic_engine, *_ = deepspeed.initialize(model=critic, optimizer=opt, lr_scheduler=sched, config=critic_cfg)
+    print_rank_0(f"critic engine ready (ZeRO-{args.critic_zero_stage})")
+
+    # reward: the same reward model, frozen
+    reward_cfg = eval_ds_config(zero_stage=_frozen_stage(args.critic_zero_stage), dtype=args.dtype,
+                                offload=args.offload_reward_model)
+    reward = load_reward_model(args.critic_model_name_or_path, tokenizer, flag="--critic_model_name_or_path")
+    reward_engine, *_ = deepspeed.initialize(model=reward, config=reward_cfg)
+
+    hybrid = HybridActor(
+        actor_engine, enable_hybrid_engine=args.enable_hybrid_engine,
+        mode="layered" if args.unpin_actor_parameters else "full",
+        tp_gather_partition_size=args.tp_gather_partition_size,
+        release_inference_cache=args.release_inference_cache,
+        max_prompt_len=args.max_prompt_seq_len, max_new_tokens=args.max_answer_seq_len,
+        scheduler=scheduler, seed=args.seed)
+    return RLHFEngines(actor_engine, ref_engine, critic_engine, reward_engine, ema_engine, hybrid,
+                       actor_cfg, critic_cfg)
+
+
+@torch.no_grad()
+def update_ema(ema_module, actor_module, beta: float = 0.992) -> None:
+    """ZeRO-3-aware EMA update, one parameter pair at a time.
+
+    Both tensors are gathered; every rank computes the same update and rank 0's result
+    is re-partitioned (`modifier_rank=0`), so the EMA shards stay consistent.
+    """
+    from dschat.registry import unwrap_peft
+    from dschat.models.lora import is_peft_model
+
+    actor_params = dict(unwrap_peft(actor_module).named_parameters()) if not is_peft_model(actor_module) \
+        else _merged_named_params(actor_module)
+    for name, ema_param in ema_module.named_parameters():
+        src = actor_params.get(name)
+        if src is None:
+            continue
+        with gathered([src]), gathered([ema_param], modifier_rank=0):
+            ema_update_([ema_param.data], [src.data], beta)
+
+
+def _merged_named_params(peft_model) -> dict:
+    """Base-model parameter names of a peft model (LoRA deltas are not in the EMA)."""
+    from dschat.models.lora import PEFT_PREFIX
+    out = {}
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            continue
+        clean = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+        out[clean.replace(".base_layer.", ".")] = p
+    return out

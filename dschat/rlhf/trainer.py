@@ -1,0 +1,160 @@
+"""PPO for step 3: experience generation, KL-penalised rewards, GAE, clipped updates, ptx."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dschat.engine.distributed import all_reduce_mean, all_reduce_sum
+from dschat.engine.train_utils import lm_loss_sum
+from dschat.rlhf import ppo_math as pm
+from dschat.rlhf.engine import RLHFEngines, update_ema
+from dschat.rlhf.experience import Experience
+
+
+@dataclass
+class PPOConfig:
+    kl_ctl: float = 0.1
+    clip_reward_value: float = 5.0
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    max_answer_seq_len: int = 256
+    min_answer_seq_len: int = 0        # forced answer length (benchmarks); 0: stop at eos
+    unsup_coef: float = 27.8
+    ema_beta: float = 0.992
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def answer_mask(answers: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """1 on answer tokens up to and including the first eos; 0 after it.
+
+    Reading the end from the first eos (not from `!= pad`) keeps the eos token in the
+    answer for families whose pad token is their eos (llama, gpt2).
+    """
+    is_eos = answers == eos_token_id
+    after_eos = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
+    return (~after_eos & (answers != pad_token_id) | is_eos & ~after_eos).long()
+
+
+class PPOTrainer:
+    def __init__(self, engines: RLHFEngines, tokenizer, config: PPOConfig, scheduler=None):
+        self.e = engines
+        self.tokenizer = tokenizer
+        self.cfg = config
+        self.scheduler = scheduler
+        self.pad = tokenizer.pad_token_id
+        self.eos = tokenizer.eos_token_id
+
+    # ------------------------------------------------------------------ experience
+    @torch.no_grad()
+    def generate_experience(self, prompts: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[Experience | None, dict]:
+        """Generate answers for this rank's prompts and score them with all four models.
+
+        Returns (None, timings) on every rank when any rank has no valid answer (upstream
+        drops answers of <= 1 token; under ZeRO-3 all ranks must take the same path).
+        """
+        timings = {}
+        self.e.actor.eval()
+        start = time.time()
+        seq = self.e.hybrid.generate(
+            prompts, prompt_mask, max_new_tokens=self.cfg.max_answer_seq_len,
+            min_new_tokens=self.cfg.min_answer_seq_len, do_sample=self.cfg.do_sample,
+            temperature=self.cfg.temperature, top_k=self.cfg.top_k, top_p=self.cfg.top_p,
+            eos_token_id=self.eos, pad_token_id=self.pad)
+        timings["generate_s"] = time.time() - start
+        P = prompts.shape[1]
+        answers = seq[:, P:]
+        if answers.shape[1] == 0:
+            answers = seq.new_full((seq.shape[0], 1), self.pad)
+            seq = torch.cat([seq, answers], dim=1)
+        action_mask = answer_mask(answers, self.eos, self.pad)
+        keep = action_mask.sum(1) > 1  # upstream: drop answers of <= 1 token
+        all_ok = all_reduce_sum(torch.tensor([float(keep.any())], device=seq.device)).item() \
+            == torch.distributed.get_world_size()
+        if not all_ok:
+            return None, timings
+        seq, prompts, prompt_mask, action_mask = seq[keep], prompts[keep], prompt_mask[keep], action_mask[keep]
+        attention_mask = torch.cat([prompt_mask.long(), action_mask], dim=1)
+
+        start = time.time()
+        logits = self.e.hybrid.logits(seq, attention_mask)
+        logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(seq, P))
+        del logits
+        ref_logits = self.e.ref(input_ids=seq, attention_mask=attention_mask, use_cache=False).logits
+        ref_logprobs = pm.gather_log_probs(pm.answer_slice(ref_logits, P), pm.answer_tokens(seq, P))
+        del ref_logits
+        reward = self.e.reward.module.forward_value(seq, attention_mask)["chosen_end_scores"].float()
+        values = self.e.critic.module.forward_value(seq, attention_mask, return_value_only=True)
+        values = pm.answer_slice(values, P).float()
+        timings["score_s"] = time.time() - start
+        exp = Experience(prompts=prompts, seq=seq, attention_mask=attention_mask, action_mask=action_mask,
+                         logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, rewards=reward,
+                         prompt_lens=prompt_mask.long().sum(1))
+        rewards = pm.compute_kl_rewards(logprobs, ref_logprobs, reward, action_mask,
+                                        self.cfg.kl_ctl, self.cfg.clip_reward_value)
+        exp.advantages, exp.returns = pm.compute_gae(values, rewards, action_mask, self.cfg.gamma, self.cfg.lam)
+        return exp, timings
+
+    # ------------------------------------------------------------------ training
+    def train_rlhf(self, exp: Experience) -> dict:
+        """One actor and one critic update on a micro-batch of experience."""
+        P = exp.prompt_width
+        self.e.actor.train()
+        self.e.critic.train()
+        logits = self.e.actor(input_ids=exp.seq, attention_mask=exp.attention_mask, use_cache=False).logits
+        logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(exp.seq, P))
+        a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask, self.cfg.cliprange)
+        self.e.actor.backward(a_loss)
+        self.e.actor.step()
+
+        values = self.e.critic.module.forward_value(exp.seq, exp.attention_mask, return_value_only=True)
+        values = pm.answer_slice(values, P)
+        c_loss, c_clip = pm.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.cfg.cliprange_value)
+        self.e.critic.backward(c_loss)
+        self.e.critic.step()
+        return {"actor_loss": a_loss.detach(), "critic_loss": c_loss.detach(),
+                "actor_clip_frac": a_clip, "critic_clip_frac": c_clip}
+
+    def train_unsupervised(self, batch: dict) -> torch.Tensor:
+        """ptx: the actor's LM loss on unsupervised text, weighted by --unsup_coef."""
+        logits = self.e.actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              use_cache=False).logits
+        tokens = (batch["labels"][:, 1:] != -100).sum().clamp(min=1)
+        loss = lm_loss_sum(logits, batch["labels"]) / tokens
+        self.e.actor.backward(self.cfg.unsup_coef * loss)
+        self.e.actor.step()
+        return loss.detach()
+
+    def after_actor_updates(self) -> None:
+        """The actor's weights changed: the replica must be refilled; the EMA follows."""
+        self.e.hybrid.mark_weights_updated()
+        if self.e.ema is not None:
+            update_ema(self.e.ema.module, self.e.actor.module, self.cfg.ema_beta)
+
+    # ------------------------------------------------------------------ metrics
+    @staticmethod
+    def experience_metrics(exp: Experience) -> dict:
+        lengths = exp.action_mask.sum(1).float()
+        reward = exp.rewards.float()
+        return {
+            "ppo/reward_mean": all_reduce_mean(reward.mean()).item(),
+            "ppo/reward_std": all_reduce_mean(reward.std(unbiased=False) if reward.numel() > 1
+                                              else torch.zeros((), device=reward.device)).item(),
+            "ppo/kl": all_reduce_mean(pm.approx_kl(exp.logprobs, exp.ref_logprobs, exp.action_mask)).item(),
+            "gen/answer_len_mean": all_reduce_mean(lengths.mean()).item(),
+            "gen/answer_len_max": _all_reduce_max(lengths.max()),
+            "ppo/value_mean": all_reduce_mean(pm.masked_mean(exp.values, exp.action_mask)).item(),
+        }
+
+
+def _all_reduce_max(value: torch.Tensor) -> float:
+    out = value.detach().clone().float()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
+    return out.item()

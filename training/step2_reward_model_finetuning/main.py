@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Step 2: reward-model training on chosen/rejected pairs.
+
+    deepspeed training/step2_reward_model_finetuning/main.py \
+        --model_name_or_path output/step1 --dtype fp32 --zero_stage 3 \
+        --output_dir output/step2
+
+The reward model is written at the root of --output_dir (config, model.safetensors with
+`rwtransformer.*` + `v_head.weight`, tokenizer, reward_model.json); step 3 takes that
+folder as --critic_model_name_or_path.
+"""
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+
+from dschat.data import DataCollatorReward, create_prompt_dataset
+from dschat.engine.config import train_ds_config
+from dschat.engine.distributed import all_reduce_sum, init_distributed, peak_memory_gib, rank
+from dschat.engine.optim import build_lr_scheduler, build_optimizer
+from dschat.engine.train_utils import make_loader, micro_batch_groups, to_device
+from dschat.models.lora import apply_lora
+from dschat.models.model_utils import load_tokenizer
+from dschat.models.reward_model import create_reward_model, save_reward_model
+from dschat.utils import flags
+from dschat.utils.logging import print_rank_0
+from dschat.utils.metrics import MetricsLogger
+from dschat.utils.run import main_guard, resolve_under, resolved_config, save_json, set_seed
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags.add_data_args(parser)
+    flags.add_model_train_args(parser, learning_rate=5e-5)
+    flags.add_lora_args(parser)
+    flags.add_logging_args(parser)
+    parser.add_argument("--num_padding_at_beginning", type=int, default=None,
+                        help="DS-Chat's pad-count convention for finding sequence ends when no "
+                             "attention mask is given (default: the model family's, e.g. 1 for OPT). "
+                             "Ends are read from the attention mask whenever there is one.")
+    return parser.parse_args(argv)
+
+
+def build_engine(args, tokenizer, ds_config, num_update_steps):
+    import deepspeed
+
+    model = create_reward_model(args.model_name_or_path, tokenizer, ds_config=ds_config,
+                                dropout=args.dropout, seed=args.seed,
+                                num_padding_at_beginning=args.num_padding_at_beginning)
+    model.rwtransformer = apply_lora(model.rwtransformer, args.lora_dim, args.lora_module_name,
+                                     args.only_optimize_lora)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    optimizer = build_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                lora_lr=args.lora_learning_rate, offload=args.offload)
+    scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
+                                   num_update_steps)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=ds_config, dist_init_required=True)
+    return engine
+
+
+@torch.no_grad()
+def evaluate(engine, loader, device, max_batches: int) -> dict:
+    """Accuracy (chosen score > rejected score) and mean scores over all ranks."""
+    engine.eval()
+    totals = torch.zeros(4, device=device)  # correct, pairs, chosen sum, rejected sum
+    for i, batch in enumerate(loader):
+        if i >= max_batches:
+            break
+        batch = to_device(batch, device)
+        out = engine(batch["input_ids"], batch["attention_mask"])
+        chosen, rejected = out["chosen_mean_scores"].float(), out["rejected_mean_scores"].float()
+        totals += torch.stack([(chosen > rejected).sum().float(), torch.tensor(float(chosen.numel()), device=device),
+                               chosen.sum(), rejected.sum()])
+    totals = all_reduce_sum(totals)
+    engine.train()
+    pairs = totals[1].clamp(min=1)
+    return {"acc": (totals[0] / pairs).item(), "chosen_score": (totals[2] / pairs).item(),
+            "rejected_score": (totals[3] / pairs).item()}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    flags.raise_problems(flags.common_problems(args))
+    device = init_distributed(args.local_rank)
+    world = torch.distributed.get_world_size()
+    set_seed(args.seed)
+
+    tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
+                               eot_token=args.eot_token)
+    train_data, eval_data = create_prompt_dataset(
+        args.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed,
+        tokenizer, args.max_seq_len, end_of_conversation_token=args.eot_token if args.add_eot_token else None)
+    collator = DataCollatorReward()
+    train_loader = make_loader(train_data, args.per_device_train_batch_size, collator, shuffle=True, seed=args.seed)
+    eval_loader = make_loader(eval_data, args.per_device_eval_batch_size, collator, shuffle=False, seed=args.seed)
+    steps_per_epoch = -(-len(train_loader) // args.gradient_accumulation_steps)
+    total_steps = steps_per_epoch * args.num_train_epochs
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+
+    ds_config = train_ds_config(
+        zero_stage=args.zero_stage, dtype=args.dtype, micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, offload=args.offload)
+    engine = build_engine(args, tokenizer, ds_config, total_steps)
+    run_config = resolved_config(args, ds_config=ds_config, world_size=world,
+                                 train_pairs=len(train_data), eval_pairs=len(eval_data))
+    print_rank_0(f"resolved configuration: {run_config}")
+    metrics = MetricsLogger(args.output_dir, enable_tensorboard=args.enable_tensorboard,
+                            tensorboard_path=resolve_under(args.output_dir, args.tensorboard_path),
+                            enable_wandb=args.enable_wandb, wandb_project=args.wandb_project,
+                            config=run_config)
+
+    def run_eval(step):
+        result = evaluate(engine, eval_loader, device, args.eval_iters)
+        print_rank_0(f"step {step}: eval accuracy {result['acc']:.4f}, chosen {result['chosen_score']:.4f}, "
+                     f"rejected {result['rejected_score']:.4f}")
+        metrics.log(step, {f"eval/{k}": v for k, v in result.items()})
+        return result
+
+    result = run_eval(0)
+    step = 0
+    progress = tqdm(total=total_steps, desc="step 2 (reward model)", disable=rank() != 0)
+    for epoch in range(args.num_train_epochs):
+        train_loader.sampler.set_epoch(epoch)
+        for group in micro_batch_groups(train_loader, args.gradient_accumulation_steps):
+            if step >= total_steps:
+                break
+            start = time.time()
+            loss = torch.zeros((), device=device)
+            for batch in group:
+                batch = to_device(batch, device)
+                out = engine(batch["input_ids"], batch["attention_mask"])
+                engine.backward(out["loss"])
+                engine.step()
+                loss += out["loss"].detach().float() / len(group)
+            loss = (all_reduce_sum(loss) / world).item()
+            step += 1
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.4f}")
+            if args.print_loss:
+                print_rank_0(f"epoch {epoch} step {step} loss {loss:.6f}")
+            metrics.log(step, {"train/loss": loss, "train/lr": engine.get_lr()[0], "train/epoch": epoch,
+                               "time/step_s": time.time() - start, "memory/peak_gib": peak_memory_gib(device)})
+            if args.eval_interval and step % args.eval_interval == 0:
+                result = run_eval(step)
+        result = run_eval(step)
+    progress.close()
+
+    save_reward_model(engine.module, tokenizer, args.output_dir, rank=rank())
+    if rank() == 0:
+        run_config["final_eval"] = result
+        save_json(run_config, f"{args.output_dir}/training_config.json")
+    metrics.close()
+    print_rank_0(f"saved the reward model to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main_guard(main)

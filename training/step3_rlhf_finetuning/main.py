@@ -1,0 +1,315 @@
+#!/usr/bin/env python
+"""Step 3: PPO of the step-1 actor against the step-2 reward model.
+
+    deepspeed training/step3_rlhf_finetuning/main.py \
+        --actor_model_name_or_path output/step1 --critic_model_name_or_path output/step2 \
+        --actor_zero_stage 3 --critic_zero_stage 3 --enable_hybrid_engine --dtype fp32 \
+        --output_dir output/step3
+
+`--enable_hybrid_engine` is this project's own engine (dschat/engine/hybrid.py), not
+DeepSpeed's `hybrid_engine` block: the actor's ZeRO-3 shards are gathered once per
+rollout into a persistent inference replica by the shared gather scheduler, generation
+runs on the replica, and training goes on with ZeRO's own hooks. Writes actor/, critic/
+(and actor_ema/) under --output_dir, with metrics.jsonl and the resolved configuration.
+"""
+import argparse
+import json
+import os
+import time
+from itertools import cycle
+
+import torch
+from tqdm import tqdm
+
+from dschat.data import DataCollatorRLHF, create_prompt_dataset, create_unsupervised_dataset
+from dschat.engine.distributed import all_reduce_mean, init_distributed, peak_memory_gib, rank
+from dschat.engine.train_utils import make_loader, to_device
+from dschat.models.model_utils import load_tokenizer, save_hf_format
+from dschat.models.reward_model import is_reward_checkpoint, save_reward_model
+from dschat.rlhf.engine import build_rlhf_engines
+from dschat.rlhf.trainer import PPOConfig, PPOTrainer
+from dschat.utils import flags
+from dschat.utils.logging import print_rank_0
+from dschat.utils.metrics import MetricsLogger
+from dschat.utils.run import main_guard, resolve_under, resolved_config, save_json, set_seed
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags.add_data_args(p)
+    g = p.add_argument_group("data (step 3)")
+    g.add_argument("--unsupervised_dataset_name", type=str, default=None,
+                   help="Text dataset (local path or hub name) for the ptx loss; off by default.")
+    g.add_argument("--unsupervised_dataset_config_name", type=str, default=None,
+                   help="datasets config name of --unsupervised_dataset_name.")
+    g.add_argument("--unsup_coef", type=float, default=27.8, help="Weight of the ptx loss.")
+    g.add_argument("--preprocessing_num_workers", type=int, default=None, help="Kept for DS-Chat compatibility.")
+    g = p.add_argument_group("models")
+    g.add_argument("--actor_model_name_or_path", type=str, required=True, help="Step-1 output folder (or config).")
+    g.add_argument("--critic_model_name_or_path", type=str, required=True,
+                   help="Step-2 output folder: a reward model (ours or DS-Chat's format). Also the reward model.")
+    g.add_argument("--num_padding_at_beginning", type=int, default=None,
+                   help="Kept for DS-Chat compatibility; sequence ends are read from attention masks.")
+    g = p.add_argument_group("PPO")
+    g.add_argument("--per_device_generation_batch_size", type=int, default=16, help="Prompts per rank per generation.")
+    g.add_argument("--per_device_training_batch_size", type=int, default=16, help="PPO micro-batch per rank.")
+    g.add_argument("--generation_batches", type=int, default=1, help="Generation batches per PPO update round.")
+    g.add_argument("--ppo_epochs", type=int, default=1, help="PPO epochs over each round of experience.")
+    g.add_argument("--max_prompt_seq_len", type=int, default=256, help="Prompts longer than this are dropped.")
+    g.add_argument("--max_answer_seq_len", type=int, default=256, help="Answer tokens generated at most.")
+    g.add_argument("--min_answer_seq_len", type=int, default=0,
+                   help="Force at least this many answer tokens (benchmarks; 0: stop at eos).")
+    g.add_argument("--actor_learning_rate", type=float, default=9.65e-6, help="Actor learning rate.")
+    g.add_argument("--critic_learning_rate", type=float, default=5e-6, help="Critic learning rate.")
+    g.add_argument("--actor_weight_decay", type=float, default=0.0, help="Actor weight decay.")
+    g.add_argument("--critic_weight_decay", type=float, default=0.0, help="Critic weight decay.")
+    g.add_argument("--num_train_epochs", type=int, default=1, help="Passes over the prompts.")
+    g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=flags.SCHEDULER_CHOICES,
+                   help="Learning-rate schedule.")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="Micro-batches per optimizer step.")
+    g.add_argument("--num_warmup_steps", type=int, default=100, help="Warm-up steps of the schedule.")
+    g.add_argument("--output_dir", type=str, default=None, help="Where actor/, critic/ and metrics go.")
+    g.add_argument("--seed", type=int, default=1234, help="Seed (sampling is seeded per rank from it).")
+    g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
+    g.add_argument("--kl_ctl", type=float, default=0.1, help="KL penalty coefficient.")
+    g.add_argument("--clip_reward_value", type=float, default=5.0, help="Reward score clipped to +-this.")
+    g.add_argument("--cliprange", type=float, default=0.2, help="PPO ratio clip.")
+    g.add_argument("--cliprange_value", type=float, default=0.2, help="Value clip of the critic loss.")
+    g.add_argument("--gamma", type=float, default=1.0, help="GAE discount.")
+    g.add_argument("--lam", type=float, default=0.95, help="GAE lambda.")
+    g.add_argument("--temperature", type=float, default=None, help="Sample with this temperature (default: greedy).")
+    g.add_argument("--top_p", type=float, default=None, help="Nucleus sampling (implies sampling).")
+    g.add_argument("--top_k", type=int, default=None, help="Top-k sampling (implies sampling).")
+    g = p.add_argument_group("hybrid engine (ours)")
+    g.add_argument("--enable_hybrid_engine", action="store_true",
+                   help="Generate on a persistent inference replica filled from the ZeRO shards.")
+    g.add_argument("--unpin_actor_parameters", action="store_true",
+                   help="Layered mode: gather --tp_gather_partition_size blocks at a time (less memory, slower).")
+    g.add_argument("--release_inference_cache", action="store_true",
+                   help="Free the replica, KV cache and graphs after each rollout.")
+    g.add_argument("--inference_tp_size", type=int, default=1, help="Tensor parallelism of generation.")
+    g.add_argument("--tp_gather_partition_size", type=int, default=8, help="Blocks per gather group (layered mode).")
+    g = p.add_argument_group("memory and precision")
+    g.add_argument("--offload", action="store_true", help="ZeRO-Offload for actor and critic.")
+    g.add_argument("--offload_reference_model", action="store_true", help="Offload the reference model.")
+    g.add_argument("--offload_reward_model", action="store_true", help="Offload the reward model.")
+    g.add_argument("--actor_zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="Actor ZeRO stage.")
+    g.add_argument("--critic_zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="Critic ZeRO stage.")
+    g.add_argument("--actor_gradient_checkpointing", action="store_true", help="Actor activation checkpointing.")
+    g.add_argument("--critic_gradient_checkpointing", action="store_true", help="Critic activation checkpointing.")
+    g.add_argument("--actor_dropout", type=float, default=None, help="Actor dropout override.")
+    g.add_argument("--critic_dropout", type=float, default=None, help="Critic dropout override.")
+    g.add_argument("--dtype", type=str, default="fp16", choices=flags.DTYPE_CHOICES, help="Training precision.")
+    g.add_argument("--compute_fp32_loss", action="store_true",
+                   help="Kept for DS-Chat compatibility: PPO losses are always computed in fp32.")
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--actor_lora_dim", type=int, default=0, help="Actor LoRA rank (0: off).")
+    g.add_argument("--actor_lora_module_name", type=str, default=None, help="Actor LoRA module prefix.")
+    g.add_argument("--critic_lora_dim", type=int, default=0, help="Critic LoRA rank (0: off).")
+    g.add_argument("--critic_lora_module_name", type=str, default=None, help="Critic LoRA module prefix.")
+    g.add_argument("--only_optimize_lora", action="store_true", help="Train only LoRA weights.")
+    g.add_argument("--actor_lora_learning_rate", type=float, default=5e-4, help="Actor LoRA learning rate.")
+    g.add_argument("--critic_lora_learning_rate", type=float, default=5e-4, help="Critic LoRA learning rate.")
+    g.add_argument("--enable_mixed_precision_lora", action="store_true",
+                   help="Keep the frozen base weights in low precision (needs LoRA and ZeRO-3).")
+    g = p.add_argument_group("other")
+    g.add_argument("--enable_ema", action="store_true", help="Keep an EMA of the actor (saved as actor_ema/).")
+    g.add_argument("--add_eot_token", action="store_true", help="Add --eot_token to the tokenizer.")
+    g.add_argument("--eot_token", type=str, default="<|endoftext|>", help="End-of-turn token.")
+    g.add_argument("--align_overflow", action="store_true", help="Kept for DS-Chat compatibility (fp16 only).")
+    g.add_argument("--print_answers", action="store_true", help="Print prompts and answers on rank 0.")
+    g.add_argument("--print_answers_interval", type=int, default=1, help="Every this many steps.")
+    g.add_argument("--dump_generations", type=str, default=None,
+                   help="JSONL file: one row per prompt per PPO step (step, rank, prompt, answer, reward).")
+    g.add_argument("--enable_test_mode", action="store_true", help="Stop after --test_stop_step steps.")
+    g.add_argument("--test_stop_step", type=int, default=0, help="Steps to run in test mode.")
+    g.add_argument("--max_steps", type=int, default=0, help="Stop after this many PPO steps (0: all).")
+    flags.add_logging_args(p)
+    return p.parse_args(argv)
+
+
+def problems(args) -> list[str]:
+    """Every flag problem of step 3, found before any process group or model exists."""
+    out = []
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.inference_tp_size < 1 or world % args.inference_tp_size:
+        out.append(f"--inference_tp_size {args.inference_tp_size} does not divide world size {world}")
+    elif args.inference_tp_size > 1:
+        out.append(f"--inference_tp_size {args.inference_tp_size}: tensor-parallel generation is not "
+                   "implemented yet; use 1 (each rank generates on its own replica)")
+    if args.enable_mixed_precision_lora and not (args.actor_lora_dim > 0 and args.actor_zero_stage == 3):
+        out.append("--enable_mixed_precision_lora needs --actor_lora_dim > 0 and --actor_zero_stage 3")
+    if args.only_optimize_lora and args.actor_lora_dim == 0 and args.critic_lora_dim == 0:
+        out.append("--only_optimize_lora needs --actor_lora_dim or --critic_lora_dim > 0")
+    if args.unpin_actor_parameters and not args.enable_hybrid_engine:
+        out.append("--unpin_actor_parameters needs --enable_hybrid_engine")
+    if args.release_inference_cache and not args.enable_hybrid_engine:
+        out.append("--release_inference_cache needs --enable_hybrid_engine")
+    gen_rows = args.per_device_generation_batch_size * args.generation_batches
+    if gen_rows % args.per_device_training_batch_size:
+        out.append(f"--per_device_generation_batch_size x --generation_batches ({gen_rows}) must be a "
+                   f"multiple of --per_device_training_batch_size ({args.per_device_training_batch_size})")
+    for flag in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches",
+                 "ppo_epochs", "max_prompt_seq_len", "max_answer_seq_len", "num_train_epochs",
+                 "gradient_accumulation_steps"):
+        if getattr(args, flag) < 1:
+            out.append(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.offload and args.actor_zero_stage == 0 and args.critic_zero_stage == 0:
+        out.append("--offload needs --actor_zero_stage or --critic_zero_stage >= 1")
+    if args.output_dir is None:
+        out.append("--output_dir is required")
+    if not os.path.exists(args.actor_model_name_or_path) and args.actor_model_name_or_path.startswith((".", "/")):
+        out.append(f"--actor_model_name_or_path {args.actor_model_name_or_path}: no such file or folder")
+    critic = args.critic_model_name_or_path
+    if not os.path.isdir(critic):
+        out.append(f"--critic_model_name_or_path {critic}: no such folder (pass the step-2 output folder)")
+    elif not is_reward_checkpoint(critic):
+        out.append(f"--critic_model_name_or_path {critic} is not a reward model (no reward_model.json "
+                   "and no DS-Chat v_head weights); pass the step-2 output folder")
+    try:
+        flags.split_fractions(args.data_split)
+    except Exception as e:  # noqa: BLE001 - collected, reported together
+        out.append(str(e))
+    return out
+
+
+def ppo_config(args) -> PPOConfig:
+    do_sample = any(v is not None for v in (args.temperature, args.top_p, args.top_k))
+    return PPOConfig(kl_ctl=args.kl_ctl, clip_reward_value=args.clip_reward_value, cliprange=args.cliprange,
+                     cliprange_value=args.cliprange_value, gamma=args.gamma, lam=args.lam,
+                     max_answer_seq_len=args.max_answer_seq_len, min_answer_seq_len=args.min_answer_seq_len,
+                     unsup_coef=args.unsup_coef, do_sample=do_sample,
+                     temperature=args.temperature or 1.0, top_k=args.top_k or 0, top_p=args.top_p or 1.0)
+
+
+def dump_generations(path, step, exp, tokenizer, this_rank):
+    """Gather every rank's prompts/answers to rank 0 and append them as JSONL rows."""
+    P = exp.prompt_width
+    rows = []
+    for i in range(exp.batch_size):
+        prompt = exp.seq[i, :P][exp.attention_mask[i, :P].bool()]
+        answer = exp.seq[i, P:][exp.action_mask[i].bool()]
+        rows.append({"step": step, "rank": this_rank,
+                     "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
+                     "answer": tokenizer.decode(answer, skip_special_tokens=True),
+                     "reward": float(exp.rewards[i])})
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, rows)
+    if this_rank == 0:
+        with open(path, "a") as f:
+            for part in gathered:
+                for row in part:
+                    f.write(json.dumps(row) + "\n")
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    flags.raise_problems(problems(args))
+    device = init_distributed(args.local_rank)
+    world = torch.distributed.get_world_size()
+    set_seed(args.seed)
+
+    tokenizer = load_tokenizer(args.actor_model_name_or_path, add_eot_token=args.add_eot_token,
+                               eot_token=args.eot_token)
+    prompt_data, _ = create_prompt_dataset(args.local_rank, args.data_path, args.data_split,
+                                           args.data_output_path, 3, args.seed, tokenizer, args.max_prompt_seq_len)
+    prompt_loader = make_loader(prompt_data, args.per_device_generation_batch_size,
+                                DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id),
+                                shuffle=True, seed=args.seed, drop_last=True)
+    unsup_loader = None
+    if args.unsupervised_dataset_name:
+        unsup_data = create_unsupervised_dataset([args.unsupervised_dataset_name], args.unsupervised_dataset_config_name,
+                                                 tokenizer, args.max_prompt_seq_len + args.max_answer_seq_len,
+                                                 args.data_output_path, args.seed, args.local_rank)
+        unsup_loader = make_loader(unsup_data, args.per_device_generation_batch_size, shuffle=True, seed=args.seed)
+    if len(prompt_loader) == 0:
+        flags.raise_problems([f"{len(prompt_data)} prompts fit --max_prompt_seq_len, fewer than one batch of "
+                              f"--per_device_generation_batch_size {args.per_device_generation_batch_size} "
+                              f"on each of {world} ranks"])
+    steps_per_epoch = len(prompt_loader)
+    total_steps = steps_per_epoch * args.num_train_epochs
+    for cap in (args.max_steps, args.test_stop_step if args.enable_test_mode else 0):
+        if cap:
+            total_steps = min(total_steps, cap)
+    num_total_iters = total_steps * args.ppo_epochs * (args.per_device_generation_batch_size
+                                                       // args.per_device_training_batch_size)
+
+    engines = build_rlhf_engines(args, tokenizer, num_total_iters)
+    trainer = PPOTrainer(engines, tokenizer, ppo_config(args))
+    run_config = resolved_config(args, actor_ds_config=engines.actor_ds_config,
+                                 critic_ds_config=engines.critic_ds_config, world_size=world,
+                                 prompts=len(prompt_data))
+    print_rank_0(f"resolved configuration: {run_config}")
+    metrics = MetricsLogger(args.output_dir, enable_tensorboard=args.enable_tensorboard,
+                            tensorboard_path=resolve_under(args.output_dir, args.tensorboard_path),
+                            enable_wandb=args.enable_wandb, wandb_project=args.wandb_project, config=run_config)
+    if args.dump_generations and rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.dump_generations)), exist_ok=True)
+        open(args.dump_generations, "w").close()
+
+    step = 0
+    buffer, unsup_buffer = [], []
+    progress = tqdm(total=total_steps, desc="step 3 (PPO)", disable=rank() != 0)
+    for epoch in range(args.num_train_epochs):
+        prompt_loader.sampler.set_epoch(epoch)
+        unsup_iter = cycle(unsup_loader) if unsup_loader is not None else None
+        for batch in prompt_loader:
+            if step >= total_steps:
+                break
+            step_start = time.time()
+            batch = to_device(batch, device)
+            exp, timings = trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"])
+            step += 1
+            progress.update(1)
+            if exp is None:
+                print_rank_0(f"step {step}: a rank generated no answer longer than one token; batch skipped")
+                continue
+            buffer.append(exp)
+            if unsup_iter is not None:
+                unsup_buffer.append(to_device(next(unsup_iter), device))
+            record = {**PPOTrainer.experience_metrics(exp), **{f"time/{k}": v for k, v in timings.items()}}
+            if args.dump_generations:
+                dump_generations(args.dump_generations, step, exp, tokenizer, rank())
+            if args.print_answers and step % args.print_answers_interval == 0 and rank() == 0:
+                P = exp.prompt_width
+                print(f"--- step {step} prompt: {tokenizer.decode(exp.seq[0, :P], skip_special_tokens=True)!r}\n"
+                      f"    answer: {tokenizer.decode(exp.seq[0, P:], skip_special_tokens=True)!r}"
+                      f" reward {float(exp.rewards[0]):.3f}", flush=True)
+            if len(buffer) < args.generation_batches:
+                continue
+
+            train_start = time.time()
+            stats = []
+            for _ in range(args.ppo_epochs):
+                for exp_i, unsup in zip(buffer, unsup_buffer or [None] * len(buffer)):
+                    for micro in exp_i.split(args.per_device_training_batch_size):
+                        s = trainer.train_rlhf(micro)
+                        if unsup is not None:
+                            s["unsup_loss"] = trainer.train_unsupervised(unsup)
+                        trainer.after_actor_updates()
+                        stats.append(s)
+            buffer, unsup_buffer = [], []
+            for key in stats[0]:
+                record[f"ppo/{key}"] = all_reduce_mean(torch.stack([s[key] for s in stats]).mean()).item()
+            record["time/train_s"] = time.time() - train_start
+            record.update({f"{k}": v for k, v in engines.hybrid.pop_stats().items()})
+            record["time/step_s"] = time.time() - step_start
+            record["memory/peak_gib"] = peak_memory_gib(device)
+            record["ppo/samples_per_s"] = exp.batch_size * world / record["time/step_s"]
+            metrics.log(step, record)
+            progress.set_postfix(reward=f"{record['ppo/reward_mean']:.3f}", kl=f"{record['ppo/kl']:.3f}")
+    progress.close()
+
+    save_hf_format(engines.actor.module, tokenizer, os.path.join(args.output_dir, "actor"), rank=rank())
+    save_reward_model(engines.critic.module, tokenizer, os.path.join(args.output_dir, "critic"), rank=rank())
+    if engines.ema is not None:
+        save_hf_format(engines.ema.module, tokenizer, os.path.join(args.output_dir, "actor_ema"), rank=rank())
+    if rank() == 0:
+        save_json(run_config, os.path.join(args.output_dir, "training_config.json"))
+    metrics.close()
+    print_rank_0(f"saved actor/ and critic/ to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main_guard(main)
