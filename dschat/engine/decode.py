@@ -1,0 +1,915 @@
+"""Fast decode for step-3 generation from a persistent inference replica.
+
+The replica is a plain HF causal LM (no DeepSpeed hooks) whose parameter tensors live at
+fixed addresses and are refilled IN PLACE (`p.data.copy_(...)`) after every optimizer step.
+`FastGenerator` reads those tensors directly (no copies), so a refill changes what it
+computes without any action, with one exception: derived weights. Where a family's
+block fuses weights (the concatenated Q/K/V projection of OPT and LLaMA, built when
+`fuse_qkv` is on), those live in buffers of their own and are rebuilt by
+`FastGenerator.refresh()`. Contract for the caller: after every in-place refill of the
+replica, call `refresh()` before the next `generate`. `refresh()` also notices tensors
+that were reallocated instead of refilled (new addresses) and then drops the captured
+CUDA graphs, which are recaptured on the next `generate`.
+
+How a generate call runs:
+- batch rows are padded up to a batch bucket (1, 2, 4, ...); one workspace holds the KV
+  cache for the largest bucket seen, sized max_prompt_len + max_new_tokens;
+- prefill: one forward over the left-padded prompt with SDPA and an explicit additive
+  bias (padding + causal, plus ALiBi for Bloom, built exactly as HF builds it from the
+  cumulative attention mask), writing K/V into the cache, logits for the last position;
+- decode: a step function of fixed-address buffers only (current token, position and
+  step counters as device tensors, KV cache, per-key bias) that attends only over the
+  filled part of the cache, rounded up to a length bucket (64 keys), samples on the GPU
+  and handles eos/pad/min_new_tokens on the GPU. On CUDA it is captured once per (batch
+  bucket, length bucket, sampling mode) in a CUDA graph and replayed for every token;
+  the host syncs only every `check_every` steps to see whether all rows finished.
+
+Per-family math lives in `_DecodeBlock` subclasses registered under the registry's
+`fast_decode` key. `fast_decode_supported(model)` says whether a model can use this path;
+where it cannot, callers use HF `generate`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dschat.registry import UnknownModelTypeError, family_of, resolve, unwrap_peft
+from dschat.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+_BLOCKS: dict[str, type] = {}
+LENGTH_BUCKET = 64
+
+
+def register_block(key: str):
+    """Class decorator: make a `_DecodeBlock` the fast path for registry key `key`."""
+    def deco(cls):
+        _BLOCKS[key] = cls
+        return cls
+    return deco
+
+
+# --------------------------------------------------------------------------- support
+
+def fast_decode_unsupported_reason(model, *, max_total_len: Optional[int] = None) -> Optional[str]:
+    """Why `model` cannot use the fast path (None when it can).
+
+    `max_total_len` (prompt + answer) lets configs with a sliding window be checked: such a
+    window is accepted only when it covers the whole sequence.
+    """
+    model = unwrap_peft(model)
+    config = getattr(model, "config", None)
+    if config is None:
+        return "model has no HF config"
+    try:
+        fam = family_of(model)
+    except UnknownModelTypeError:
+        return f"model_type {config.model_type!r} is not in the registry"
+    if fam.fast_decode is None or fam.fast_decode not in _BLOCKS:
+        return f"model_type {config.model_type!r} has no fast decode block"
+    blocks = resolve(model, fam.blocks)
+    if blocks is None or len(blocks) == 0:
+        return "model has no transformer blocks at the registry path"
+    for mod in model.modules():
+        if hasattr(mod, "lora_A"):
+            return "model holds unmerged LoRA adapters"
+    p = next(iter(model.parameters()), None)
+    if p is None or p.device.type == "meta" or p.numel() == 0:
+        return "model parameters are not materialized (meta or partitioned)"
+    return _BLOCKS[fam.fast_decode].unsupported_reason(model, config, max_total_len)
+
+
+def fast_decode_supported(model, *, max_total_len: Optional[int] = None) -> bool:
+    """Registry family has a fast decode block and the model's config is supported."""
+    return fast_decode_unsupported_reason(model, max_total_len=max_total_len) is None
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _lin(x, w, b=None):
+    return F.linear(x, w, b)
+
+
+def _min_value(dtype) -> float:
+    return torch.finfo(dtype).min
+
+
+def _alibi_slopes(n_heads: int, device) -> torch.Tensor:
+    """ALiBi head slopes (fp32), the geometric series of the ALiBi paper; for head counts
+    that are not a power of two the extra heads take every other slope of the next power."""
+    p2 = 2 ** math.floor(math.log2(n_heads))
+    base = torch.tensor(2.0 ** (-(2.0 ** -(math.log2(p2) - 3))), dtype=torch.float32, device=device)
+    slopes = torch.pow(base, torch.arange(1, p2 + 1, dtype=torch.int32, device=device))
+    if p2 != n_heads:
+        extra = torch.tensor(2.0 ** (-(2.0 ** -(math.log2(2 * p2) - 3))), dtype=torch.float32,
+                             device=device)
+        n_rest = min(p2, n_heads - p2)
+        odd = torch.arange(1, 2 * n_rest, 2, dtype=torch.int32, device=device)
+        slopes = torch.cat([slopes, torch.pow(extra, odd)])
+    return slopes
+
+
+def _attend_decode(q, kv, Lb: int, bias, scale: float, impl: str):
+    """One query token per row against the first Lb cached keys.
+
+    q [B, Hkv, G, D] (G query heads share a K/V head), kv [B, Hkv, L, 2, D] (K at 0, V at 1),
+    bias [B, Hkv, G, Lb] additive (padding, future keys, ALiBi). Returns [B, Hkv*G*D].
+    impl "sdpa": one fused kernel; "bmm": baddbmm + fp32 softmax + bmm, HF's eager order.
+    """
+    B, Hkv, G, D = q.shape
+    k = kv[:, :, :Lb, 0]
+    v = kv[:, :, :Lb, 1]
+    if impl == "bmm":
+        q3 = q.reshape(B * Hkv, G, D)
+        scores = torch.baddbmm(bias.reshape(B * Hkv, G, Lb), q3,
+                               k.reshape(B * Hkv, Lb, D).transpose(1, 2), alpha=scale)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, v.reshape(B * Hkv, Lb, D)).reshape(B, Hkv * G * D)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    return out.reshape(B, Hkv * G * D)
+
+
+def _attend_prefill(q, k, v, bias, scale: float, impl: str):
+    """Prompt attention. q [B, H, P, D], k/v [B, Hkv, P, D], bias [B, Hb, P, P] (Hb 1 or H).
+    Returns [B, P, H*D]."""
+    B, H, P, D = q.shape
+    Hkv = k.shape[1]
+    if impl == "bmm" and Hkv == H:
+        bias = bias.expand(B, H, P, P)
+        scores = torch.baddbmm(bias.reshape(B * H, P, P), q.reshape(B * H, P, D),
+                               k.reshape(B * H, P, D).transpose(1, 2), alpha=scale)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.bmm(probs, v.reshape(B * H, P, D)).view(B, H, P, D)
+    else:
+        kw = {"enable_gqa": True} if Hkv != H else {}
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, **kw)
+    return out.transpose(1, 2).reshape(B, P, H * D)
+
+
+def _prefill_bias(key_bias, P: int):
+    """[B, Hb, P] per-key bias -> [B, Hb, P, P] with the causal restriction added."""
+    idx = torch.arange(P, device=key_bias.device)
+    causal = idx[None, :] <= idx[:, None]
+    return torch.where(causal, key_bias[:, :, None, :P], _min_value(key_bias.dtype))
+
+
+# --------------------------------------------------------------------------- blocks
+
+class _DecodeBlock:
+    """Per-family decode math over the replica's own tensors (held as references).
+
+    Subclasses set n_layers, n_heads, n_kv_heads, head_dim, bias_heads (1, or n_heads for
+    per-head ALiBi), vocab and implement bind / key_bias / prompt_positions / prefill /
+    decode. `bind()` re-resolves every tensor from the model (cheap attribute walks) and
+    (re)allocates derived buffers only when their shapes change; `rebuild()` refills them.
+    """
+
+    def __init__(self, model, *, numerics: str, fuse_qkv: bool, on_cuda: bool):
+        self.model = model
+        self.config = model.config
+        self.fam = family_of(model)
+        self.numerics = numerics
+        self.fuse_qkv = fuse_qkv
+        self.on_cuda = on_cuda
+        self.attn_impl = "bmm" if numerics == "hf" else "sdpa"
+        self._derived: dict[str, torch.Tensor] = {}
+        self.bind()
+
+    @classmethod
+    def unsupported_reason(cls, model, config, max_total_len) -> Optional[str]:
+        return None
+
+    # weights -------------------------------------------------------------------
+    def part(self, path: str):
+        return resolve(self.model, path)
+
+    def bind(self) -> None:
+        raise NotImplementedError
+
+    def tensors(self) -> list:
+        """Every replica tensor the block reads (for address checks)."""
+        raise NotImplementedError
+
+    def pointers(self) -> list:
+        return [t.data_ptr() for t in self.tensors()]
+
+    def derived(self, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A buffer holding cat(parts, 0), allocated once per shape (fixed address)."""
+        shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
+        buf = self._derived.get(name)
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != parts[0].dtype:
+            buf = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
+            self._derived[name] = buf
+        return buf
+
+    def rebuild(self) -> None:
+        """Refill derived (fused) weights from the replica's current values."""
+
+    # math ----------------------------------------------------------------------
+    def key_bias(self, ext_mask):
+        """[B, L] 0/1 mask over every cache slot -> [B, Hb, L] additive per-key bias."""
+        neg = torch.zeros(ext_mask.shape, dtype=self.dtype, device=ext_mask.device)
+        neg.masked_fill_(ext_mask == 0, _min_value(self.dtype))
+        return neg[:, None, :]
+
+    def prompt_positions(self, mask):
+        """Position ids of the prompt tokens [B, P] (families without ids return None)."""
+        return None
+
+    @property
+    def dtype(self):
+        return self.embed.dtype
+
+    @property
+    def device(self):
+        return self.embed.device
+
+
+@register_block("bloom")
+class _BloomBlock(_DecodeBlock):
+    """Bloom: fused interleaved QKV ([H, 3, D] per row), ALiBi, tanh-GELU MLP."""
+
+    @classmethod
+    def unsupported_reason(cls, model, config, max_total_len):
+        if getattr(config, "pretraining_tp", 1) > 1 and getattr(config, "slow_but_exact", False):
+            return "bloom slow_but_exact with pretraining_tp > 1"
+        if config.hidden_size % config.n_head:
+            return "hidden_size not divisible by n_head"
+        return None
+
+    def bind(self):
+        c, fam = self.config, self.fam
+        self.n_heads = self.n_kv_heads = self.bias_heads = c.n_head
+        self.head_dim = c.hidden_size // c.n_head
+        self.hidden = c.hidden_size
+        self.post_ln_residual = bool(c.apply_residual_connection_post_layernorm)
+        self.embed = self.part(fam.embed_tokens).weight
+        emb_ln = self.part(fam.extra_pre[0])
+        self.emb_ln = (emb_ln.weight, emb_ln.bias, emb_ln.eps)
+        fin = self.part(fam.final_norm)
+        self.ln_f = (fin.weight, fin.bias, fin.eps)
+        self.head = self.part(fam.lm_head).weight
+        self.layers = []
+        for blk in self.part(fam.blocks):
+            at, mlp = blk.self_attention, blk.mlp
+            self.layers.append(dict(
+                ln1=(blk.input_layernorm.weight, blk.input_layernorm.bias, blk.input_layernorm.eps),
+                qkv=(at.query_key_value.weight, at.query_key_value.bias),
+                dense=(at.dense.weight, at.dense.bias),
+                ln2=(blk.post_attention_layernorm.weight, blk.post_attention_layernorm.bias,
+                     blk.post_attention_layernorm.eps),
+                fc1=(mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias),
+                fc2=(mlp.dense_4h_to_h.weight, mlp.dense_4h_to_h.bias)))
+        self.n_layers = len(self.layers)
+        self.vocab = self.head.shape[0]
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.slopes = _alibi_slopes(self.n_heads, self.embed.device)
+
+    def tensors(self):
+        out = [self.embed, *self.emb_ln[:2], *self.ln_f[:2], self.head]
+        for lay in self.layers:
+            for v in lay.values():
+                out += [t for t in v if isinstance(t, torch.Tensor)]
+        return out
+
+    def key_bias(self, ext_mask):
+        # HF: alibi = slope * ((cumsum(mask) - 1) * mask) in fp32, cast to the model dtype.
+        kpos = (ext_mask.cumsum(-1) - 1) * ext_mask
+        alibi = (self.slopes[None, :, None] * kpos[:, None, :].float()).to(self.dtype)
+        return alibi.masked_fill((ext_mask == 0)[:, None, :], _min_value(self.dtype))
+
+    def _ln(self, x, ln):
+        return F.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
+
+    def _mlp_up(self, h, fc1):
+        if self.numerics == "hf":
+            y = _lin(h, *fc1)
+            # HF's bloom_gelu_forward op by op (each intermediate rounded like HF's)
+            return y * 0.5 * (1.0 + torch.tanh(0.79788456 * y * (1 + 0.044715 * y * y)))
+        if self.on_cuda and h.dim() == 2 and h.shape[0] > 1:
+            # cuBLASLt bias+GELU(tanh) epilogue: one kernel instead of two
+            return torch._addmm_activation(fc1[1], h, fc1[0].t(), use_gelu=True)
+        return F.gelu(_lin(h, *fc1), approximate="tanh")
+
+    def _layer_rest(self, x, h, ctx, lay):
+        res = h if self.post_ln_residual else x
+        x = _lin(ctx, *lay["dense"]) + res
+        h = self._ln(x, lay["ln2"])
+        res = h if self.post_ln_residual else x
+        return _lin(self._mlp_up(h, lay["fc1"]), *lay["fc2"]) + res
+
+    def _logits(self, x):
+        return _lin(self._ln(x, self.ln_f), self.head)
+
+    def prefill(self, ids, mask, pos_ids, kv, key_bias):
+        B, P = ids.shape
+        H, D = self.n_heads, self.head_dim
+        x = self._ln(F.embedding(ids, self.embed), self.emb_ln)
+        bias = _prefill_bias(key_bias, P)
+        for li, lay in enumerate(self.layers):
+            h = self._ln(x, lay["ln1"])
+            qkv = _lin(h, *lay["qkv"]).view(B, P, H, 3, D)
+            kv[li, :, :, :P].copy_(qkv[:, :, :, 1:3].transpose(1, 2))
+            q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+            ctx = _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)
+            x = self._layer_rest(x, h, ctx, lay)
+        return self._logits(x[:, -1])
+
+    def decode(self, tok, row_pos, pos, kv, bias, Lb):
+        B = tok.shape[0]
+        H, D = self.n_heads, self.head_dim
+        x = self._ln(F.embedding(tok, self.embed), self.emb_ln)
+        for li, lay in enumerate(self.layers):
+            h = self._ln(x, lay["ln1"])
+            qkv = _lin(h, *lay["qkv"]).view(B, H, 3, D)
+            kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
+            ctx = _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl)
+            x = self._layer_rest(x, h, ctx, lay)
+        return self._logits(x)
+
+
+@register_block("opt")
+class _OPTBlock(_DecodeBlock):
+    """OPT: learned positions (offset 2, from the mask cumsum), pre- or post-LN layers,
+    optional project_in/out; Q/K/V fused into one derived weight when fuse_qkv."""
+
+    def bind(self):
+        c, fam = self.config, self.fam
+        self.n_heads = self.n_kv_heads = c.num_attention_heads
+        self.bias_heads = 1
+        self.hidden = c.hidden_size
+        self.head_dim = c.hidden_size // c.num_attention_heads
+        self.pre_ln = bool(c.do_layer_norm_before)
+        self.embed = self.part(fam.embed_tokens).weight
+        pos_mod = self.part(fam.extra_pre[0])
+        self.pos_table, self.pos_offset = pos_mod.weight, getattr(pos_mod, "offset", 2)
+        p_in, p_out = self.part(fam.extra_pre[1]), self.part(fam.extra_post[0])
+        self.project_in = None if p_in is None else p_in.weight
+        self.project_out = None if p_out is None else p_out.weight
+        fin = self.part(fam.final_norm)
+        self.ln_f = None if fin is None else (fin.weight, fin.bias, fin.eps)
+        self.head = self.part(fam.lm_head).weight
+        self.layers = []
+        for i, blk in enumerate(self.part(fam.blocks)):
+            at = blk.self_attn
+            lay = dict(
+                q=(at.q_proj.weight, at.q_proj.bias), k=(at.k_proj.weight, at.k_proj.bias),
+                v=(at.v_proj.weight, at.v_proj.bias), o=(at.out_proj.weight, at.out_proj.bias),
+                ln1=(blk.self_attn_layer_norm.weight, blk.self_attn_layer_norm.bias,
+                     blk.self_attn_layer_norm.eps),
+                ln2=(blk.final_layer_norm.weight, blk.final_layer_norm.bias, blk.final_layer_norm.eps),
+                fc1=(blk.fc1.weight, blk.fc1.bias), fc2=(blk.fc2.weight, blk.fc2.bias),
+                act=blk.activation_fn)
+            if self.fuse_qkv:
+                w = self.derived(f"qkv_w{i}", [lay["q"][0], lay["k"][0], lay["v"][0]])
+                b = None if lay["q"][1] is None else self.derived(
+                    f"qkv_b{i}", [lay["q"][1], lay["k"][1], lay["v"][1]])
+                lay["qkv"] = (w, b)
+            self.layers.append(lay)
+        self.n_layers = len(self.layers)
+        self.vocab = self.head.shape[0]
+        self.scale = self.head_dim ** -0.5
+
+    def rebuild(self):
+        if not self.fuse_qkv:
+            return
+        for lay in self.layers:
+            torch.cat([lay["q"][0], lay["k"][0], lay["v"][0]], 0, out=lay["qkv"][0])
+            if lay["qkv"][1] is not None:
+                torch.cat([lay["q"][1], lay["k"][1], lay["v"][1]], 0, out=lay["qkv"][1])
+
+    def tensors(self):
+        out = [self.embed, self.pos_table, self.head]
+        out += [t for t in (self.project_in, self.project_out) if t is not None]
+        out += [t for t in (self.ln_f or ())[:2] if isinstance(t, torch.Tensor)]
+        for lay in self.layers:
+            for key in ("q", "k", "v", "o", "ln1", "ln2", "fc1", "fc2"):
+                out += [t for t in lay[key] if isinstance(t, torch.Tensor)]
+        return out
+
+    def prompt_positions(self, mask):
+        return (mask.cumsum(-1) * mask - 1).long()
+
+    def _ln(self, x, ln):
+        return F.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
+
+    def _embed(self, ids, pos):
+        x = F.embedding(ids, self.embed)
+        if self.project_in is not None:
+            x = _lin(x, self.project_in)
+        return x + F.embedding(pos + self.pos_offset, self.pos_table)
+
+    def _qkv(self, h, lay):
+        """[..., 3, H, D] projections (fused or three GEMMs)."""
+        shape = h.shape[:-1] + (3, self.n_heads, self.head_dim)
+        if self.fuse_qkv:
+            return _lin(h, *lay["qkv"]).view(shape)
+        return torch.stack([_lin(h, *lay[n]) for n in "qkv"], dim=-2).view(shape)
+
+    def _layer(self, x, lay, attend):
+        res = x
+        h = self._ln(x, lay["ln1"]) if self.pre_ln else x
+        x = _lin(attend(h), *lay["o"]) + res
+        if not self.pre_ln:
+            x = self._ln(x, lay["ln1"])
+        res = x
+        h = self._ln(x, lay["ln2"]) if self.pre_ln else x
+        x = _lin(lay["act"](_lin(h, *lay["fc1"])), *lay["fc2"]) + res
+        if not self.pre_ln:
+            x = self._ln(x, lay["ln2"])
+        return x
+
+    def _logits(self, x):
+        if self.ln_f is not None:
+            x = self._ln(x, self.ln_f)
+        if self.project_out is not None:
+            x = _lin(x, self.project_out)
+        return _lin(x, self.head)
+
+    def prefill(self, ids, mask, pos_ids, kv, key_bias):
+        B, P = ids.shape
+        bias = _prefill_bias(key_bias, P)
+        x = self._embed(ids, pos_ids)
+        for li, lay in enumerate(self.layers):
+            def attend(h, li=li):
+                qkv = self._qkv(h, lay)                                  # [B, P, 3, H, D]
+                kv[li, :, :, :P].copy_(qkv[:, :, 1:3].permute(0, 3, 1, 2, 4))
+                q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+                return _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)
+            x = self._layer(x, lay, attend)
+        return self._logits(x[:, -1])
+
+    def decode(self, tok, row_pos, pos, kv, bias, Lb):
+        B = tok.shape[0]
+        x = self._embed(tok, row_pos)
+        for li, lay in enumerate(self.layers):
+            def attend(h, li=li):
+                qkv = self._qkv(h, lay)                                  # [B, 3, H, D]
+                kv[li].index_copy_(2, pos, qkv[:, 1:3].transpose(1, 2).unsqueeze(2))
+                return _attend_decode(qkv[:, 0].unsqueeze(2), kv[li], Lb, bias, self.scale,
+                                      self.attn_impl)
+            x = self._layer(x, lay, attend)
+        return self._logits(x)
+
+
+def _sliding_window(config) -> Optional[int]:
+    """The attention window a config imposes on any layer (None: full attention)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and all(t == "full_attention" for t in layer_types):
+        return None
+    return int(window)
+
+
+@register_block("llama")
+class _LlamaBlock(_DecodeBlock):
+    """LLaMA / Mistral / Qwen2: RMSNorm, rotary positions from the mask cumsum as HF generate
+    builds them, grouped-query attention, gated MLP; Q/K/V fused when fuse_qkv."""
+
+    STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+    @classmethod
+    def unsupported_reason(cls, model, config, max_total_len):
+        rotary = resolve(model, cls._rotary_path(model))
+        if rotary is None or not hasattr(rotary, "inv_freq"):
+            return "no rotary embedding module with inv_freq"
+        rope_type = getattr(rotary, "rope_type", "default")
+        if rope_type not in cls.STATIC_ROPE:
+            return f"rope type {rope_type!r} changes with sequence length"
+        window = _sliding_window(config)
+        if window is not None and (max_total_len is None or window < max_total_len):
+            return (f"sliding window {window} shorter than prompt + answer "
+                    f"({max_total_len})" if max_total_len else f"sliding window {window}")
+        return None
+
+    @staticmethod
+    def _rotary_path(model) -> str:
+        return family_of(model).base_model + ".rotary_emb"
+
+    def bind(self):
+        c, fam = self.config, self.fam
+        self.n_heads = c.num_attention_heads
+        self.n_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self.bias_heads = 1
+        blocks = self.part(fam.blocks)
+        self.head_dim = blocks[0].self_attn.q_proj.weight.shape[0] // self.n_heads
+        self.embed = self.part(fam.embed_tokens).weight
+        fin = self.part(fam.final_norm)
+        self.ln_f = (fin.weight, fin.variance_epsilon)
+        self.head = self.part(fam.lm_head).weight
+        rot = resolve(self.model, self._rotary_path(self.model))
+        self.inv_freq, self.rope_scaling = rot.inv_freq, float(rot.attention_scaling)
+        self.layers = []
+        for i, blk in enumerate(blocks):
+            at, mlp = blk.self_attn, blk.mlp
+            lay = dict(
+                q=(at.q_proj.weight, at.q_proj.bias), k=(at.k_proj.weight, at.k_proj.bias),
+                v=(at.v_proj.weight, at.v_proj.bias), o=(at.o_proj.weight, at.o_proj.bias),
+                ln1=(blk.input_layernorm.weight, blk.input_layernorm.variance_epsilon),
+                ln2=(blk.post_attention_layernorm.weight, blk.post_attention_layernorm.variance_epsilon),
+                gate=(mlp.gate_proj.weight, mlp.gate_proj.bias), up=(mlp.up_proj.weight, mlp.up_proj.bias),
+                down=(mlp.down_proj.weight, mlp.down_proj.bias), act=mlp.act_fn)
+            if self.fuse_qkv:
+                w = self.derived(f"qkv_w{i}", [lay["q"][0], lay["k"][0], lay["v"][0]])
+                b = None if lay["q"][1] is None else self.derived(
+                    f"qkv_b{i}", [lay["q"][1], lay["k"][1], lay["v"][1]])
+                lay["qkv"] = (w, b)
+            self.layers.append(lay)
+        self.n_layers = len(self.layers)
+        self.vocab = self.head.shape[0]
+        self.scale = self.head_dim ** -0.5
+
+    rebuild = _OPTBlock.rebuild
+
+    def tensors(self):
+        out = [self.embed, self.ln_f[0], self.head, self.inv_freq]
+        for lay in self.layers:
+            for key in ("q", "k", "v", "o", "ln1", "ln2", "gate", "up", "down"):
+                out += [t for t in lay[key] if isinstance(t, torch.Tensor)]
+        return out
+
+    def prompt_positions(self, mask):
+        return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1).long()
+
+    @staticmethod
+    def _rms(x, ln):
+        # HF: normalise in fp32, round to the model dtype, then scale by the weight
+        return F.rms_norm(x, (x.shape[-1],), None, ln[1]) * ln[0]
+
+    def _rope_tables(self, pos):
+        """cos and sign-folded sin for positions `pos` [...], each [..., D], model dtype."""
+        freqs = pos[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        half = sin.shape[-1] // 2
+        # rotate_half(x) * sin == swap_halves(x) * [-sin_lo, sin_hi] exactly (negation is exact)
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos, sin
+
+    @staticmethod
+    def _rope(x, cos, sin):
+        D = x.shape[-1]
+        swapped = x.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)
+        return x * cos + swapped * sin
+
+    def _qkv(self, h, lay):
+        """[..., Hq + 2*Hkv, D] projections."""
+        shape = h.shape[:-1] + (self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        if self.fuse_qkv:
+            return _lin(h, *lay["qkv"]).view(shape)
+        return torch.cat([_lin(h, *lay[n]) for n in "qkv"], dim=-1).view(shape)
+
+    def _mlp(self, h, lay):
+        return _lin(lay["act"](_lin(h, *lay["gate"])) * _lin(h, *lay["up"]), *lay["down"])
+
+    def prefill(self, ids, mask, pos_ids, kv, key_bias):
+        B, P = ids.shape
+        Hq, Hkv = self.n_heads, self.n_kv_heads
+        bias = _prefill_bias(key_bias, P)
+        cos, sin = self._rope_tables(pos_ids)                  # [B, P, D]
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        x = F.embedding(ids, self.embed)
+        for li, lay in enumerate(self.layers):
+            h = self._rms(x, lay["ln1"])
+            qkv = self._qkv(h, lay)                            # [B, P, Hq+2Hkv, D]
+            qk = self._rope(qkv[:, :, :Hq + Hkv], cos, sin)
+            k, v = qk[:, :, Hq:], qkv[:, :, Hq + Hkv:]
+            kv[li, :, :, :P].copy_(torch.stack((k, v), dim=3).transpose(1, 2))
+            ctx = _attend_prefill(qk[:, :, :Hq].transpose(1, 2), k.transpose(1, 2),
+                                  v.transpose(1, 2), bias, self.scale, self.attn_impl)
+            x = _lin(ctx, *lay["o"]) + x
+            x = self._mlp(self._rms(x, lay["ln2"]), lay) + x
+        return _lin(self._rms(x[:, -1], self.ln_f), self.head)
+
+    def decode(self, tok, row_pos, pos, kv, bias, Lb):
+        B = tok.shape[0]
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        cos, sin = self._rope_tables(row_pos)                  # [B, D]
+        cos, sin = cos[:, None], sin[:, None]
+        x = F.embedding(tok, self.embed)
+        for li, lay in enumerate(self.layers):
+            h = self._rms(x, lay["ln1"])
+            qkv = self._qkv(h, lay)                            # [B, Hq+2Hkv, D]
+            qk = self._rope(qkv[:, :Hq + Hkv], cos, sin)
+            src = torch.stack((qk[:, Hq:], qkv[:, Hq + Hkv:]), dim=2)   # [B, Hkv, 2, D]
+            kv[li].index_copy_(2, pos, src.unsqueeze(2))
+            q = qk[:, :Hq].view(B, Hkv, Hq // Hkv, D)
+            ctx = _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl)
+            x = _lin(ctx, *lay["o"]) + x
+            x = self._mlp(self._rms(x, lay["ln2"]), lay) + x
+        return _lin(self._rms(x, self.ln_f), self.head)
+
+
+# --------------------------------------------------------------------------- generator
+
+@dataclass(frozen=True)
+class _Mode:
+    """What a captured step bakes in besides shapes (sampling settings, eos, pad)."""
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    eos: tuple
+    pad: int
+    min_new: bool
+
+
+class _Workspace:
+    """Fixed-address buffers for batch buckets up to `batch` and `length` cache slots."""
+
+    def __init__(self, block: _DecodeBlock, batch: int, length: int, max_new: int):
+        dev, dt = block.device, block.dtype
+        lng = dict(dtype=torch.long, device=dev)
+        self.batch, self.length = batch, length
+        # K and V interleaved per slot so that one index_copy_ writes both
+        self.kv = torch.zeros(block.n_layers, batch, block.n_kv_heads, length, 2, block.head_dim,
+                              dtype=dt, device=dev)
+        self.key_bias = torch.zeros(batch, block.bias_heads, length, dtype=dt, device=dev)
+        self.arange = torch.arange(length, **lng)
+        self.tok = torch.zeros(batch, **lng)
+        self.row_pos = torch.zeros(batch, **lng)
+        self.counters = torch.zeros(2, **lng)        # [cache slot of the fed token, tokens made]
+        self.pos, self.t = self.counters[0:1], self.counters[1:2]
+        self.min_new = torch.zeros(1, **lng)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.out = torch.zeros(batch, max_new, **lng)
+        self.graphs: dict = {}
+        self.eos_tensors: dict = {}
+        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
+
+    def eos_tensor(self, eos: tuple):
+        if eos not in self.eos_tensors:
+            self.eos_tensors[eos] = torch.tensor(eos, dtype=torch.long, device=self.kv.device)
+        return self.eos_tensors[eos]
+
+
+class FastGenerator:
+    """Generation from a persistent inference replica with a static KV cache and CUDA graphs.
+
+    model: plain HF causal LM (bloom, opt, llama/mistral/qwen2 configs) whose tensors are
+    refilled in place; call `refresh()` after each refill. `numerics`: "fast" (fused SDPA
+    attention, fused GELU epilogue) or "hf" (Bloom attention and GELU in HF's eager op
+    order, for closest bf16 agreement). `fuse_qkv` (None: on for CUDA) keeps a fused Q/K/V
+    weight per layer for OPT/LLaMA (extra memory: one copy of those weights), rebuilt by
+    `refresh()`.
+    """
+
+    def __init__(self, model, *, max_prompt_len: int, max_new_tokens: int,
+                 batch_buckets=(1, 2, 4, 8, 16, 32, 64), use_cuda_graph: Optional[bool] = None,
+                 numerics: str = "fast", fuse_qkv: Optional[bool] = None,
+                 length_bucket: int = LENGTH_BUCKET, check_every: int = 16):
+        model = unwrap_peft(model)
+        reason = fast_decode_unsupported_reason(model, max_total_len=max_prompt_len + max_new_tokens)
+        if reason is not None:
+            raise ValueError(f"fast decode is not supported for this model: {reason}")
+        if numerics not in ("fast", "hf"):
+            raise ValueError(f"numerics must be 'fast' or 'hf', got {numerics!r}")
+        if max_prompt_len < 1 or max_new_tokens < 1:
+            raise ValueError("max_prompt_len and max_new_tokens must be >= 1")
+        self.model = model
+        dev = next(model.parameters()).device
+        on_cuda = dev.type == "cuda"
+        self.use_cuda_graph = on_cuda if use_cuda_graph is None else bool(use_cuda_graph)
+        if self.use_cuda_graph and not on_cuda:
+            raise ValueError("use_cuda_graph=True needs the model on a CUDA device")
+        self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
+        self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
+        self.length_bucket, self.check_every = int(length_bucket), int(check_every)
+        total = self.max_prompt_len + self.max_new_tokens
+        self.cache_len = -(-total // self.length_bucket) * self.length_bucket
+        key = family_of(model).fast_decode
+        self.block: _DecodeBlock = _BLOCKS[key](
+            model, numerics=numerics, fuse_qkv=on_cuda if fuse_qkv is None else bool(fuse_qkv),
+            on_cuda=on_cuda)
+        self.block.rebuild()
+        self._pointers = self.block.pointers()
+        self._ws: Optional[_Workspace] = None
+        self._gen = torch.Generator(device=dev)
+        self.last_stats: dict = {}
+        self.step_callback: Optional[Callable] = None   # debug: f(step, logits) after each step
+
+    # -------------------------------------------------------------- lifecycle
+    def refresh(self) -> None:
+        """Call after the replica's tensors were refilled in place: rebuilds derived (fused)
+        weights; if any tensor moved (reallocated, not refilled) the CUDA graphs are dropped
+        and recaptured on the next generate."""
+        self.block.bind()
+        self.block.rebuild()
+        pointers = self.block.pointers()
+        if pointers != self._pointers:
+            logger.info("fast decode: replica tensors moved; dropping captured CUDA graphs")
+            self._pointers = pointers
+            if self._ws is not None:
+                self._ws.graphs.clear()
+
+    def release(self) -> None:
+        """Free the KV cache and the CUDA graphs (they are rebuilt on the next generate)."""
+        self._ws = None
+        if self.block.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -------------------------------------------------------------- generate
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask, *, max_new_tokens: Optional[int] = None,
+                 min_new_tokens: int = 0, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, eos_token_id=None, pad_token_id: int,
+                 generator: Optional[torch.Generator] = None) -> torch.LongTensor:
+        """Left-padded prompts [B, P] -> [B, P + T] like HF generate (T: longest produced;
+        rows that finished early are padded with pad_token_id after their eos)."""
+        if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError("input_ids and attention_mask must both be [batch, prompt_len]")
+        B, P = input_ids.shape
+        T = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if not 1 <= T <= self.max_new_tokens:
+            raise ValueError(f"max_new_tokens={T} outside [1, {self.max_new_tokens}] (FastGenerator's)")
+        if not 1 <= P <= self.max_prompt_len:
+            raise ValueError(f"prompt length {P} outside [1, max_prompt_len={self.max_prompt_len}]")
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        if isinstance(eos_token_id, int):
+            eos = (eos_token_id,)
+        else:
+            eos = tuple(int(e) for e in (eos_token_id or ()))
+        mode = _Mode(bool(do_sample), float(temperature), int(top_k or 0), float(top_p), eos,
+                     int(pad_token_id), bool(eos) and min_new_tokens > 0)
+        cap = self.batch_buckets[-1]
+        if B > cap:
+            parts = [self._generate(input_ids[i:i + cap], attention_mask[i:i + cap], T,
+                                    min_new_tokens, mode, generator) for i in range(0, B, cap)]
+            width = max(p.shape[1] for p in parts)
+            return torch.cat([F.pad(p, (0, width - p.shape[1]), value=mode.pad) for p in parts])
+        return self._generate(input_ids, attention_mask, T, min_new_tokens, mode, generator)
+
+    def _bucket_len(self, n: int) -> int:
+        return min(self.cache_len, -(-n // self.length_bucket) * self.length_bucket)
+
+    def _workspace(self, Bb: int) -> _Workspace:
+        if self._ws is None or self._ws.batch < Bb:
+            self._ws = None
+            self._ws = _Workspace(self.block, Bb, self.cache_len, self.max_new_tokens)
+        return self._ws
+
+    def _seed(self, generator) -> None:
+        """Seed the private generator the captured steps draw from."""
+        if generator is not None:
+            seed = torch.randint(0, 2 ** 62, (1,), generator=generator, device=generator.device)
+        else:
+            seed = torch.randint(0, 2 ** 62, (1,))
+        self._gen.manual_seed(int(seed.item()))
+
+    def _generate(self, input_ids, attention_mask, T, min_new, mode: _Mode, generator):
+        blk = self.block
+        dev = blk.device
+        B, P = input_ids.shape
+        Bb = next(b for b in self.batch_buckets if b >= B)
+        ws = self._workspace(Bb)
+        lengths = sorted({self._bucket_len(p + 1) for p in range(P, P + T - 1)})
+        on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+        with on_device, torch.autocast(dev.type, enabled=False):
+            if self.use_cuda_graph:
+                self._capture(ws, Bb, lengths, mode)
+            if mode.do_sample:
+                self._seed(generator)
+            timing = dev.type == "cuda"
+            if timing:
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                ev[0].record()
+            ids = torch.full((Bb, P), mode.pad, dtype=torch.long, device=dev)
+            mask = torch.zeros((Bb, P), dtype=torch.long, device=dev)
+            ids[:B] = input_ids.to(dev)
+            mask[:B] = attention_mask.to(dev).long()
+            mask[B:, -1] = 1                     # dummy rows: one visible key, finished at once
+            ext = torch.ones((Bb, self.cache_len), dtype=torch.long, device=dev)
+            ext[:, :P] = mask
+            ws.key_bias[:Bb].copy_(blk.key_bias(ext))
+            logits = blk.prefill(ids, mask, blk.prompt_positions(mask), ws.kv[:, :Bb],
+                                 ws.key_bias[:Bb, :, :P])
+            ws.counters[0] = P - 1
+            ws.counters[1] = 0
+            ws.row_pos[:Bb].copy_(mask.sum(-1) - 1)
+            ws.min_new.fill_(min_new)
+            ws.finished[:Bb].copy_(torch.arange(Bb, device=dev) >= B)
+            ws.out[:Bb].fill_(mode.pad)
+            self._advance(ws, Bb, self._select(logits, ws, Bb, mode), mode)
+            if self.step_callback is not None:
+                self.step_callback(0, logits)
+            if timing:
+                ev[1].record()
+            check = bool(mode.eos) and min_new < T
+            made = 1
+            for step in range(1, T):
+                Lb = self._bucket_len(P + step)          # fed token sits in slot P + step - 1
+                if self.use_cuda_graph:
+                    graph, logits = ws.graphs[(Bb, Lb, mode)]
+                    graph.replay()
+                else:
+                    logits = self._step(ws, Bb, Lb, mode)
+                made = step + 1
+                if self.step_callback is not None:
+                    self.step_callback(step, logits)
+                if check and made % self.check_every == 0 and bool(ws.finished[:B].all()):
+                    break
+            if timing:
+                ev[2].record()
+            gen = ws.out[:B, :made]
+            if mode.eos:
+                is_eos = (gen[..., None] == ws.eos_tensor(mode.eos)).any(-1)
+                if bool(is_eos.any(-1).all()):
+                    made = int(is_eos.int().argmax(-1).max()) + 1
+                gen = gen[:, :made]
+            result = torch.cat([input_ids.to(dev), gen], dim=1)
+            if timing:
+                torch.cuda.synchronize()
+                self.last_stats = dict(prefill_ms=ev[0].elapsed_time(ev[1]),
+                                       decode_ms=ev[1].elapsed_time(ev[2]), steps=made,
+                                       batch_bucket=Bb)
+        return result.to(input_ids.device)
+
+    # -------------------------------------------------------------- step pieces
+    def _step(self, ws: _Workspace, Bb: int, Lb: int, mode: _Mode):
+        """One decode step on fixed buffers: feed ws.tok at slot ws.pos, sample, advance."""
+        blk = self.block
+        G = blk.n_heads // blk.n_kv_heads
+        kb = ws.key_bias[:Bb, :, None, :Lb].expand(Bb, blk.n_kv_heads, G, Lb)
+        bias = torch.where(ws.arange[:Lb] <= ws.pos, kb, _min_value(blk.dtype))
+        logits = blk.decode(ws.tok[:Bb], ws.row_pos[:Bb], ws.pos, ws.kv[:, :Bb], bias, Lb)
+        self._advance(ws, Bb, self._select(logits, ws, Bb, mode), mode)
+        return logits
+
+    def _select(self, logits, ws: _Workspace, Bb: int, mode: _Mode):
+        """Next token per row from [Bb, V] logits, HF's processor order, on the device."""
+        if mode.min_new:
+            e = ws.eos_tensor(mode.eos)
+            blocked = ws.t < ws.min_new
+            logits.index_copy_(1, e, logits.index_select(1, e).masked_fill(blocked, float("-inf")))
+        if not mode.do_sample:
+            return logits.argmax(-1)
+        x = logits.float()
+        if mode.temperature != 1.0:
+            x = x / mode.temperature
+        idx = None
+        if mode.top_k > 0:
+            x, idx = torch.topk(x, min(mode.top_k, x.shape[-1]), dim=-1)   # descending
+        if mode.top_p < 1.0:
+            asc, order = torch.sort(x, dim=-1) if idx is None else (x.flip(-1), None)
+            cum = asc.softmax(-1).cumsum(-1)
+            drop = cum <= 1 - mode.top_p
+            drop[..., -1] = False
+            asc = asc.masked_fill(drop, float("-inf"))
+            if idx is None:
+                x = torch.empty_like(asc).scatter_(-1, order, asc)
+            else:
+                x, idx = asc, idx.flip(-1)
+        probs = x.softmax(-1)
+        # exponential race == categorical sample; clamp so that 0-probability tokens never win
+        noise = torch.empty_like(probs).exponential_(generator=self._gen).clamp_min_(1e-20)
+        choice = (probs / noise).argmax(-1)
+        return choice if idx is None else idx.gather(-1, choice[:, None]).squeeze(-1)
+
+    def _advance(self, ws: _Workspace, Bb: int, nxt, mode: _Mode) -> None:
+        """Pad finished rows, record the token, update finished, move the counters."""
+        if mode.eos:
+            fin = ws.finished[:Bb]
+            nxt = torch.where(fin, mode.pad, nxt)
+            fin.logical_or_((nxt[:, None] == ws.eos_tensor(mode.eos)).any(-1))
+        ws.out[:Bb].index_copy_(1, ws.t, nxt[:, None])
+        ws.tok[:Bb].copy_(nxt)
+        ws.counters.add_(1)
+        ws.row_pos[:Bb].add_(1)
+
+    # -------------------------------------------------------------- graphs
+    def _capture(self, ws: _Workspace, Bb: int, lengths, mode: _Mode) -> None:
+        """Capture the step for every needed length bucket not captured yet. Runs before
+        prefill: the warm-up step writes junk only into slot 0 and the counters."""
+        todo = [Lb for Lb in lengths if (Bb, Lb, mode) not in ws.graphs]
+        if not todo:
+            return
+        if mode.eos:
+            ws.eos_tensor(mode.eos)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        for Lb in todo:
+            ws.counters.zero_()
+            ws.tok.zero_()
+            ws.row_pos.zero_()
+            with torch.cuda.stream(stream):
+                self._step(ws, Bb, Lb, mode)          # warm-up: cuBLAS handles, kernel choice
+            torch.cuda.current_stream().wait_stream(stream)
+            ws.counters.zero_()
+            graph = torch.cuda.CUDAGraph()
+            if mode.do_sample:
+                graph.register_generator_state(self._gen)
+            with torch.cuda.graph(graph, pool=ws.pool, capture_error_mode="thread_local"):
+                logits = self._step(ws, Bb, Lb, mode)
+            ws.graphs[(Bb, Lb, mode)] = (graph, logits)
+        ws.kv[:, :Bb, :, 0].zero_()
+        torch.cuda.synchronize()
