@@ -376,6 +376,7 @@ class _OPTBlock(_DecodeBlock):
         self.vocab = self.head.shape[0]
         self.scale = self.head_dim ** -0.5
 
+    @torch.no_grad()
     def rebuild(self):
         if not self.fuse_qkv:
             return

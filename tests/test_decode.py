@@ -1,0 +1,229 @@
+"""Fast decode (dschat.engine.decode) against HF generate on tiny random models, fp32, CPU.
+
+Weights are drawn with a large init std so that greedy continuations vary from token to
+token (with HF's default 0.02 these tiny models repeat one token, which proves little).
+"""
+import pytest
+import torch
+from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, OPTConfig,
+                          OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+from dschat.engine.decode import (FastGenerator, fast_decode_supported,
+                                  fast_decode_unsupported_reason)
+
+V = 1024
+PAD = 0
+P, T = 9, 12
+
+
+def _bloom(n_head=6, hidden=96, std=0.5, **kw):
+    return BloomForCausalLM(BloomConfig(vocab_size=V, hidden_size=hidden, n_layer=2, n_head=n_head,
+                                        initializer_range=std, **kw))
+
+
+def _opt(**kw):
+    cfg = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+               max_position_embeddings=64, word_embed_proj_dim=64, init_std=0.5)
+    cfg.update(kw)
+    return OPTForCausalLM(OPTConfig(**cfg))
+
+
+def _llama_cfg(cls, **kw):
+    cfg = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+               initializer_range=0.2)
+    cfg.update(kw)
+    return cls(**cfg)
+
+
+MODELS = {
+    "bloom-6heads": lambda: _bloom(),
+    "bloom-8heads-postln": lambda: _bloom(n_head=8, hidden=128, std=0.2,
+                                           apply_residual_connection_post_layernorm=True),
+    "opt": lambda: _opt(),
+    "opt-postln-project": lambda: _opt(do_layer_norm_before=False, word_embed_proj_dim=32),
+    "llama-gqa": lambda: LlamaForCausalLM(_llama_cfg(LlamaConfig)),
+    "mistral": lambda: MistralForCausalLM(_llama_cfg(MistralConfig, sliding_window=None)),
+    "qwen2-bias": lambda: Qwen2ForCausalLM(_llama_cfg(Qwen2Config)),
+}
+
+
+def make(name, seed=0):
+    torch.manual_seed(seed)
+    return MODELS[name]().eval()
+
+
+def prompts(B=5, width=P, seed=1):
+    """Left-padded random prompts of mixed lengths (row 0 full width)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, V, (B, width), generator=g)
+    lens = torch.randint(1, width + 1, (B,), generator=g)
+    lens[0] = width
+    mask = (torch.arange(width)[None] >= (width - lens)[:, None]).long()
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+def hf_generate(model, ids, mask, **kw):
+    kw.setdefault("max_new_tokens", T)
+    return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, **kw)
+
+
+def fast(model, **kw):
+    return FastGenerator(model, max_prompt_len=16, max_new_tokens=16, **kw)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_matches_hf_with_eos(name):
+    model = make(name)
+    ids, mask = prompts()
+    plain = hf_generate(model, ids, mask, eos_token_id=None)
+    # the model must not collapse to one repeated token, or the comparison proves little
+    assert sum(len(set(r.tolist())) for r in plain[:, P:]) >= 3 * len(plain)
+    eos = int(plain[0, P + 3])                     # row 0 stops after 4 tokens
+    ref = hf_generate(model, ids, mask, eos_token_id=eos)
+    for numerics in ("fast", "hf"):
+        fg = fast(model, numerics=numerics)
+        assert torch.equal(fg.generate(ids, mask, max_new_tokens=T, eos_token_id=None,
+                                       pad_token_id=PAD), plain), numerics
+        out = fg.generate(ids, mask, max_new_tokens=T, eos_token_id=eos, pad_token_id=PAD)
+        assert out.shape == ref.shape and torch.equal(out, ref), numerics
+    assert (ref[0, P + 4:] == PAD).all()
+
+
+@pytest.mark.parametrize("name", ["bloom-6heads", "opt", "llama-gqa"])
+def test_step_logits_match_hf_forward(name):
+    model = make(name)
+    ids, mask = prompts(B=4)
+    fg = fast(model)
+    seen = {}
+    fg.step_callback = lambda step, logits: seen.__setitem__(step, logits.clone())
+    out = fg.generate(ids, mask, max_new_tokens=T, eos_token_id=None, pad_token_id=PAD)
+    full = torch.cat([mask, torch.ones(4, T, dtype=torch.long)], 1)
+    pos = None
+    if name.startswith("llama"):
+        pos = (full.cumsum(-1) - 1).masked_fill(full == 0, 1)
+    ref = model(out, attention_mask=full, position_ids=pos).logits
+    for step in range(T):
+        torch.testing.assert_close(seen[step], ref[:, P - 1 + step], atol=1e-4, rtol=1e-4)
+
+
+def test_min_new_tokens_and_eos_list_match_hf():
+    model = make("bloom-6heads")
+    ids, mask = prompts()
+    eos = list(range(4, V, 3))                      # a third of the vocabulary ends a row
+    ref = hf_generate(model, ids, mask, eos_token_id=eos, min_new_tokens=5)
+    out = fast(model).generate(ids, mask, max_new_tokens=T, min_new_tokens=5, eos_token_id=eos,
+                               pad_token_id=PAD)
+    assert torch.equal(out, ref)
+    assert not torch.isin(out[:, P:P + 5], torch.tensor(eos)).any()
+
+
+@pytest.mark.parametrize("name", ["bloom-6heads", "opt", "llama-gqa"])
+def test_refill_in_place_then_refresh(name):
+    model, other = make(name, seed=0), make(name, seed=1)
+    ids, mask = prompts()
+    fg = fast(model, fuse_qkv=True)
+    before = fg.generate(ids, mask, max_new_tokens=T, eos_token_id=None, pad_token_id=PAD)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.data.copy_(q.data)
+    fg.refresh()
+    after = fg.generate(ids, mask, max_new_tokens=T, eos_token_id=None, pad_token_id=PAD)
+    ref = hf_generate(model, ids, mask, eos_token_id=None)
+    assert torch.equal(after, ref) and not torch.equal(after, before)
+
+
+def test_reallocated_tensor_is_rebound_by_refresh():
+    model = make("opt")
+    ids, mask = prompts()
+    fg = fast(model, fuse_qkv=True)
+    fg.generate(ids, mask, max_new_tokens=4, eos_token_id=None, pad_token_id=PAD)
+    layer = model.model.decoder.layers[0]
+    with torch.no_grad():
+        layer.fc1.weight.data = layer.fc1.weight.data * 2     # new storage, not in place
+        layer.self_attn.q_proj.weight.data = layer.self_attn.q_proj.weight.data * -1
+    fg.refresh()
+    out = fg.generate(ids, mask, max_new_tokens=T, eos_token_id=None, pad_token_id=PAD)
+    assert torch.equal(out, hf_generate(model, ids, mask, eos_token_id=None))
+
+
+def test_sampling_reproducible_and_top_k_1_is_greedy():
+    model = make("bloom-6heads")
+    ids, mask = prompts()
+    fg = fast(model)
+    kw = dict(max_new_tokens=T, eos_token_id=None, pad_token_id=PAD, do_sample=True)
+    a = fg.generate(ids, mask, generator=torch.Generator().manual_seed(7), **kw)
+    b = fg.generate(ids, mask, generator=torch.Generator().manual_seed(7), **kw)
+    c = fg.generate(ids, mask, generator=torch.Generator().manual_seed(8), **kw)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    greedy = fg.generate(ids, mask, max_new_tokens=T, eos_token_id=None, pad_token_id=PAD)
+    k1 = fg.generate(ids, mask, top_k=1, generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(k1, greedy)
+    tiny_p = fg.generate(ids, mask, top_p=1e-6, temperature=0.7,
+                         generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(tiny_p, greedy)
+    for extra in (dict(top_k=50, top_p=0.9, temperature=0.7), dict(top_p=0.8), dict(top_k=5)):
+        out = fg.generate(ids, mask, generator=torch.Generator().manual_seed(3), **extra, **kw)
+        assert out.shape == greedy.shape and torch.equal(out[:, :P], ids)
+        assert out.min() >= 0 and out.max() < V
+
+
+def test_top_k_samples_stay_in_top_k():
+    model = make("llama-gqa")
+    ids, mask = prompts(B=2)
+    fg = fast(model)
+    seen = {}
+    fg.step_callback = lambda step, logits: seen.__setitem__(step, logits.clone())
+    out = fg.generate(ids, mask, max_new_tokens=T, eos_token_id=None, pad_token_id=PAD,
+                      do_sample=True, top_k=3, generator=torch.Generator().manual_seed(0))
+    for step in range(T):
+        top3 = seen[step].topk(3, dim=-1).indices
+        assert (top3 == out[:, P + step, None]).any(-1).all()
+
+
+def test_batch_buckets_and_chunks():
+    model = make("llama-gqa")
+    ids, mask = prompts(B=5)
+    ref = hf_generate(model, ids, mask, eos_token_id=None)
+    for buckets in ((1, 2, 8), (1, 2)):              # dummy rows; more rows than the largest bucket
+        fg = FastGenerator(model, max_prompt_len=P, max_new_tokens=T, batch_buckets=buckets)
+        assert torch.equal(fg.generate(ids, mask, eos_token_id=None, pad_token_id=PAD), ref)
+    fg.release()
+    assert torch.equal(fg.generate(ids, mask, eos_token_id=None, pad_token_id=PAD), ref)
+    with pytest.raises(ValueError):
+        fg.generate(torch.cat([ids, ids], 1), torch.cat([mask, mask], 1), eos_token_id=None,
+                    pad_token_id=PAD)
+
+
+def test_supported_configs():
+    assert fast_decode_supported(make("bloom-6heads"))
+    assert fast_decode_supported(make("llama-gqa"))
+    assert not fast_decode_supported(GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=1,
+                                                                n_head=2)))
+    windowed = MistralForCausalLM(_llama_cfg(MistralConfig, sliding_window=8))
+    assert "sliding window" in fast_decode_unsupported_reason(windowed, max_total_len=32)
+    assert fast_decode_supported(windowed, max_total_len=8)
+    dynamic = LlamaForCausalLM(_llama_cfg(LlamaConfig, rope_scaling={"rope_type": "dynamic",
+                                                                      "factor": 2.0}))
+    assert not fast_decode_supported(dynamic)
+    with pytest.raises(ValueError):
+        FastGenerator(windowed, max_prompt_len=16, max_new_tokens=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_matches_eager_and_hf():
+    torch.manual_seed(0)
+    model = _bloom().cuda().eval()
+    ids, mask = (t.cuda() for t in prompts())
+    ref = hf_generate(model, ids, mask, eos_token_id=None)
+    graphs = FastGenerator(model, max_prompt_len=16, max_new_tokens=16, use_cuda_graph=True)
+    eager = FastGenerator(model, max_prompt_len=16, max_new_tokens=16, use_cuda_graph=False)
+    kw = dict(max_new_tokens=T, eos_token_id=None, pad_token_id=PAD)
+    assert torch.equal(graphs.generate(ids, mask, **kw), ref)
+    assert torch.equal(eager.generate(ids, mask, **kw), ref)
+    gen = lambda: torch.Generator(device="cuda").manual_seed(5)
+    a = graphs.generate(ids, mask, do_sample=True, generator=gen(), **kw)
+    b = graphs.generate(ids, mask, do_sample=True, generator=gen(), **kw)
+    assert torch.equal(a, b)
