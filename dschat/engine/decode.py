@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -115,6 +116,28 @@ def _alibi_slopes(n_heads: int, device) -> torch.Tensor:
     return slopes
 
 
+_EPILOGUE_OK: dict = {}
+
+
+def _gelu_epilogue_is_tanh(device, dtype) -> bool:
+    """Whether torch._addmm_activation(use_gelu=True) computes tanh-GELU here (cuBLASLt's
+    bias+GELU epilogue does); checked once per device and dtype on random data."""
+    key = (str(device), dtype)
+    if key not in _EPILOGUE_OK:
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(8, 256, device=device, generator=g).to(dtype)
+            w = torch.randn(512, 256, device=device, generator=g).to(dtype) / 16
+            b = torch.randn(512, device=device, generator=g).to(dtype)
+            ref = F.gelu(F.linear(x, w, b).float(), approximate="tanh")
+            erf = F.gelu(F.linear(x, w, b).float())
+            got = torch._addmm_activation(b, x, w.t(), use_gelu=True).float()
+            _EPILOGUE_OK[key] = bool((got - ref).abs().max() < 0.5 * (erf - ref).abs().max())
+        except Exception:                   # an op this build lacks: use the plain path
+            _EPILOGUE_OK[key] = False
+    return _EPILOGUE_OK[key]
+
+
 def _attend_decode(q, kv, Lb: int, bias, scale: float, impl: str):
     """One query token per row against the first Lb cached keys.
 
@@ -170,14 +193,15 @@ class _DecodeBlock:
     (re)allocates derived buffers only when their shapes change; `rebuild()` refills them.
     """
 
-    def __init__(self, model, *, numerics: str, fuse_qkv: bool, on_cuda: bool):
+    def __init__(self, model, *, numerics: str, fuse_qkv: bool, on_cuda: bool,
+                 attn_impl: Optional[str] = None):
         self.model = model
         self.config = model.config
         self.fam = family_of(model)
         self.numerics = numerics
         self.fuse_qkv = fuse_qkv
         self.on_cuda = on_cuda
-        self.attn_impl = "bmm" if numerics == "hf" else "sdpa"
+        self.attn_impl = attn_impl or ("bmm" if numerics == "hf" else "sdpa")
         self._derived: dict[str, torch.Tensor] = {}
         self.bind()
 
@@ -270,6 +294,7 @@ class _BloomBlock(_DecodeBlock):
         self.vocab = self.head.shape[0]
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.slopes = _alibi_slopes(self.n_heads, self.embed.device)
+        self.gelu_epilogue = self.on_cuda and _gelu_epilogue_is_tanh(self.embed.device, self.dtype)
 
     def tensors(self):
         out = [self.embed, *self.emb_ln[:2], *self.ln_f[:2], self.head]
@@ -292,7 +317,7 @@ class _BloomBlock(_DecodeBlock):
             y = _lin(h, *fc1)
             # HF's bloom_gelu_forward op by op (each intermediate rounded like HF's)
             return y * 0.5 * (1.0 + torch.tanh(0.79788456 * y * (1 + 0.044715 * y * y)))
-        if self.on_cuda and h.dim() == 2 and h.shape[0] > 1:
+        if self.gelu_epilogue and h.dim() == 2 and h.shape[0] > 1:
             # cuBLASLt bias+GELU(tanh) epilogue: one kernel instead of two
             return torch._addmm_activation(fc1[1], h, fc1[0].t(), use_gelu=True)
         return F.gelu(_lin(h, *fc1), approximate="tanh")
@@ -612,6 +637,25 @@ class _LlamaBlock(_DecodeBlock):
 
 # --------------------------------------------------------------------------- generator
 
+class _Clock:
+    """A point in time: a CUDA event on CUDA (no sync to record), else the host clock."""
+
+    def __init__(self, device):
+        self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+
+    def record(self):
+        if self.event is not None:
+            self.event.record()
+        else:
+            self.t = time.perf_counter()
+
+    def ms_to(self, later: "_Clock") -> float:
+        if self.event is not None:
+            later.event.synchronize()
+            return self.event.elapsed_time(later.event)
+        return 1e3 * (later.t - self.t)
+
+
 @dataclass(frozen=True)
 class _Mode:
     """What a captured step bakes in besides shapes (sampling settings, eos, pad)."""
@@ -661,13 +705,14 @@ class FastGenerator:
     attention, fused GELU epilogue) or "hf" (Bloom attention and GELU in HF's eager op
     order, for closest bf16 agreement). `fuse_qkv` (None: on for CUDA) keeps a fused Q/K/V
     weight per layer for OPT/LLaMA (extra memory: one copy of those weights), rebuilt by
-    `refresh()`.
+    `refresh()`. `attn_impl` ("sdpa" | "bmm") overrides the decode attention numerics picks.
     """
 
     def __init__(self, model, *, max_prompt_len: int, max_new_tokens: int,
                  batch_buckets=(1, 2, 4, 8, 16, 32, 64), use_cuda_graph: Optional[bool] = None,
                  numerics: str = "fast", fuse_qkv: Optional[bool] = None,
-                 length_bucket: int = LENGTH_BUCKET, check_every: int = 16):
+                 length_bucket: int = LENGTH_BUCKET, check_every: int = 16,
+                 attn_impl: Optional[str] = None):
         model = unwrap_peft(model)
         reason = fast_decode_unsupported_reason(model, max_total_len=max_prompt_len + max_new_tokens)
         if reason is not None:
@@ -690,7 +735,7 @@ class FastGenerator:
         key = family_of(model).fast_decode
         self.block: _DecodeBlock = _BLOCKS[key](
             model, numerics=numerics, fuse_qkv=on_cuda if fuse_qkv is None else bool(fuse_qkv),
-            on_cuda=on_cuda)
+            on_cuda=on_cuda, attn_impl=attn_impl)
         self.block.rebuild()
         self._pointers = self.block.pointers()
         self._ws: Optional[_Workspace] = None
@@ -780,10 +825,8 @@ class FastGenerator:
                 self._capture(ws, Bb, lengths, mode)
             if mode.do_sample:
                 self._seed(generator)
-            timing = dev.type == "cuda"
-            if timing:
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                ev[0].record()
+            ev = [_Clock(dev) for _ in range(3)]
+            ev[0].record()
             ids = torch.full((Bb, P), mode.pad, dtype=torch.long, device=dev)
             mask = torch.zeros((Bb, P), dtype=torch.long, device=dev)
             ids[:B] = input_ids.to(dev)
@@ -802,9 +845,8 @@ class FastGenerator:
             ws.out[:Bb].fill_(mode.pad)
             self._advance(ws, Bb, self._select(logits, ws, Bb, mode), mode)
             if self.step_callback is not None:
-                self.step_callback(0, logits)
-            if timing:
-                ev[1].record()
+                self.step_callback(0, logits[:B])
+            ev[1].record()
             check = bool(mode.eos) and min_new < T
             made = 1
             for step in range(1, T):
@@ -816,11 +858,10 @@ class FastGenerator:
                     logits = self._step(ws, Bb, Lb, mode)
                 made = step + 1
                 if self.step_callback is not None:
-                    self.step_callback(step, logits)
+                    self.step_callback(step, logits[:B])
                 if check and made % self.check_every == 0 and bool(ws.finished[:B].all()):
                     break
-            if timing:
-                ev[2].record()
+            ev[2].record()
             gen = ws.out[:B, :made]
             if mode.eos:
                 is_eos = (gen[..., None] == ws.eos_tensor(mode.eos)).any(-1)
@@ -828,11 +869,8 @@ class FastGenerator:
                     made = int(is_eos.int().argmax(-1).max()) + 1
                 gen = gen[:, :made]
             result = torch.cat([input_ids.to(dev), gen], dim=1)
-            if timing:
-                torch.cuda.synchronize()
-                self.last_stats = dict(prefill_ms=ev[0].elapsed_time(ev[1]),
-                                       decode_ms=ev[1].elapsed_time(ev[2]), steps=made,
-                                       batch_bucket=Bb)
+            self.last_stats = dict(prefill_ms=ev[0].ms_to(ev[1]), decode_ms=ev[1].ms_to(ev[2]),
+                                   steps=made, batch_bucket=Bb)
         return result.to(input_ids.device)
 
     # -------------------------------------------------------------- step pieces
@@ -897,11 +935,11 @@ class FastGenerator:
         if mode.eos:
             ws.eos_tensor(mode.eos)
         stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         for Lb in todo:
             ws.counters.zero_()
             ws.tok.zero_()
             ws.row_pos.zero_()
+            stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._step(ws, Bb, Lb, mode)          # warm-up: cuBLAS handles, kernel choice
             torch.cuda.current_stream().wait_stream(stream)

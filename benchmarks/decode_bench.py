@@ -1,0 +1,363 @@
+"""Fast decode vs HF generate on one GPU, side by side in one run.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/decode_bench.py --out $OUT
+
+Random-init HF models at real shapes (by preset name) built directly on the GPU; left-padded
+random prompts (widths 256, real lengths 128..256), 256 new tokens forced with
+min_new_tokens, greedy. For every (preset, dtype, batch): HF generate (tokens/s, ms/step =
+seconds / new tokens, prefill included) vs FastGenerator (tokens/s, decode ms/step from
+device events, prefill ms, first call with graph capture), peak GiB, ratio, the bandwidth
+floor (weight bytes / measured device-copy bandwidth; and with the average KV bytes a step
+reads), and greedy agreement with HF: identical rows, mean first divergence, max |logit
+diff| over the steps whose inputs still agree. Writes decode_results.md / .json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _load_decode():
+    """dschat.engine.decode, or the file itself where the package's imports are unavailable."""
+    try:
+        from dschat.engine import decode
+        return decode
+    except ImportError:
+        spec = importlib.util.spec_from_file_location("dschat_decode", REPO / "dschat/engine/decode.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+
+decode = _load_decode()
+
+PRESETS = {
+    "bloom-560m": ("bloom", dict(hidden_size=1024, n_layer=24, n_head=16, vocab_size=250880)),
+    "bloom-1b7": ("bloom", dict(hidden_size=2048, n_layer=24, n_head=16, vocab_size=250880)),
+    "bloom-7b1": ("bloom", dict(hidden_size=4096, n_layer=30, n_head=32, vocab_size=250880)),
+    "opt-1.3b": ("opt", dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
+                             ffn_dim=8192, vocab_size=50272, max_position_embeddings=2048,
+                             word_embed_proj_dim=2048)),
+    "llama-7b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                               num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+                               max_position_embeddings=2048)),
+    # CPU smoke test of this script (--plan smoke)
+    "tiny-bloom": ("bloom", dict(hidden_size=96, n_layer=2, n_head=6, vocab_size=1024)),
+    "tiny-opt": ("opt", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                             vocab_size=1024, max_position_embeddings=128, word_embed_proj_dim=64)),
+    "tiny-llama": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=128, vocab_size=1024,
+                                 max_position_embeddings=128)),
+}
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CUDA = DEV == "cuda"
+
+
+def _sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def _reset_peak():
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib():
+    return torch.cuda.max_memory_allocated() / 2 ** 30 if CUDA else 0.0
+PAD, EOS = 0, 1
+
+
+def build(preset: str, dtype, std=None):
+    """Random-init HF causal LM of the preset's shape, created on the GPU in `dtype`."""
+    from transformers import (BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCausalLM,
+                              OPTConfig, OPTForCausalLM)
+    kind, cfg = PRESETS[preset]
+    cls, conf = {"bloom": (BloomForCausalLM, BloomConfig), "opt": (OPTForCausalLM, OPTConfig),
+                 "llama": (LlamaForCausalLM, LlamaConfig)}[kind]
+    config = conf(**cfg, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2)
+    if std is not None:
+        setattr(config, "init_std" if kind == "opt" else "initializer_range", std)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEV):
+            torch.manual_seed(0)
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(old)
+    return model.to(dtype).eval()
+
+
+def prompts(B, P, vocab, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (B, P), generator=g)
+    lens = torch.randint(P // 2, P + 1, (B,), generator=g)
+    lens[0] = P
+    mask = (torch.arange(P)[None] >= (P - lens)[:, None]).long()
+    return ids.masked_fill(mask == 0, PAD).to(DEV), mask.to(DEV)
+
+
+def weight_bytes(model):
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def copy_bandwidth(gib=4):
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    n = gib * 2 ** 30 // 2
+    a = torch.randn(n // 2, device="cuda", dtype=torch.float32).view(torch.bfloat16)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    bw = 2 * a.numel() * a.element_size() / times[len(times) // 2]
+    del a, b
+    torch.cuda.empty_cache()
+    return bw
+
+
+def sync_time(fn):
+    _sync()
+    t = time.perf_counter()
+    out = fn()
+    _sync()
+    return out, time.perf_counter() - t
+
+
+def hf_run(model, ids, mask, T, keep_logits):
+    kw = dict(attention_mask=mask, max_new_tokens=T, min_new_tokens=T, do_sample=False,
+              pad_token_id=PAD, eos_token_id=EOS)
+    model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})      # warm-up
+    _reset_peak()
+    if keep_logits:
+        res, secs = sync_time(lambda: model.generate(ids, output_logits=True,
+                                                     return_dict_in_generate=True, **kw))
+        seqs, logits = res.sequences, res.logits
+    else:
+        seqs, secs = sync_time(lambda: model.generate(ids, **kw))
+        logits = None
+    return dict(seqs=seqs, logits=logits, secs=secs, peak=_peak_gib())
+
+
+def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
+    _reset_peak()
+    numerics, _, attn = numerics.partition(":")
+    fg = decode.FastGenerator(model, max_prompt_len=ids.shape[1], max_new_tokens=T,
+                              numerics=numerics, attn_impl=attn or None)
+    kw = dict(max_new_tokens=T, min_new_tokens=T, pad_token_id=PAD, eos_token_id=EOS)
+    _, first = sync_time(lambda: fg.generate(ids, mask, **kw))
+    out, secs = sync_time(lambda: fg.generate(ids, mask, **kw))
+    stats = dict(fg.last_stats)
+    res = dict(seqs=out, secs=secs, first_call=first, **stats)
+    if hf_logits is not None:                # agreement pass: per-step |fast - HF| per row
+        diffs = torch.zeros(T, ids.shape[0], device=DEV)
+
+        def cb(step, logits):
+            a, b = logits.float(), hf_logits[step]
+            d = (a - b).abs()
+            d[:, EOS] = 0                     # eos column is masked in place by min_new_tokens
+            diffs[step] = d.amax(-1)
+        fg.step_callback = cb
+        res["agree_seqs"] = fg.generate(ids, mask, **kw)
+        fg.step_callback = None
+        res["diffs"] = diffs
+        res["logit_scale"] = max(float(l.abs().max()) for l in hf_logits[:4])
+    if sample:
+        skw = dict(kw, do_sample=True, top_k=50, top_p=0.9, temperature=0.8)
+        g = lambda: torch.Generator(device=DEV).manual_seed(123)
+        a = fg.generate(ids, mask, generator=g(), **skw)
+        b, ssecs = sync_time(lambda: fg.generate(ids, mask, generator=g(), **skw))
+        res["sample_reproducible"] = bool(torch.equal(a, b))
+        res["sample_secs"] = ssecs
+        res["sample_decode_ms_step"] = fg.last_stats["decode_ms"] / max(1, fg.last_stats["steps"] - 1)
+    res["peak"] = _peak_gib()
+    fg.release()
+    return res
+
+
+def agreement(hf, fast, P):
+    a, b = fast["agree_seqs"][:, P:], hf["seqs"][:, P:]
+    T = a.shape[1]
+    same = (a == b)
+    first_div = torch.where(same.all(-1), torch.full_like(same[:, 0], T, dtype=torch.long),
+                            (~same).int().argmax(-1).long())
+    steps = torch.arange(T, device=a.device)[:, None]
+    valid = steps <= first_div[None, :]       # step s sees equal inputs while s <= divergence
+    d = fast["diffs"].masked_fill(~valid, 0)
+    return dict(rows_identical=f"{int(same.all(-1).sum())}/{a.shape[0]}",
+                frac_identical=float(same.all(-1).float().mean()),
+                mean_first_divergence=float(first_div.float().mean()),
+                tokens_identical=float(same.float().mean()),
+                max_logit_diff=float(d.max()), prefill_logit_diff=float(fast["diffs"][0].max()),
+                logit_scale=fast["logit_scale"],
+                distinct_tokens_per_row=float(sum(len(set(r.tolist())) for r in b) / b.shape[0]))
+
+
+def kv_bytes_avg(model, B, P, T, dtype_bytes):
+    c = model.config
+    layers = getattr(c, "n_layer", None) or c.num_hidden_layers
+    heads = getattr(c, "n_head", None) or c.num_attention_heads
+    kvh = getattr(c, "num_key_value_heads", None) or heads
+    D = c.hidden_size // heads
+    return layers * B * kvh * (P + T / 2) * 2 * D * dtype_bytes
+
+
+def profile_steps(model, ids, mask, path, steps=6):
+    """Kernel time table of a few eager decode steps (same kernels the graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+    fg = decode.FastGenerator(model, max_prompt_len=ids.shape[1], max_new_tokens=steps,
+                              use_cuda_graph=False)
+    kw = dict(max_new_tokens=steps, min_new_tokens=steps, pad_token_id=PAD, eos_token_id=EOS)
+    fg.generate(ids, mask, **kw)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fg.generate(ids, mask, **kw)
+        _sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    Path(path).write_text(table)
+    fg.release()
+
+
+def run_case(preset, dtype, B, P, T, args, numerics_list, agree, sample=False, std=None):
+    rows = []
+    model = build(preset, dtype, std)
+    wb = weight_bytes(model)
+    ids, mask = prompts(B, P, model.config.vocab_size)
+    hf = hf_run(model, ids, mask, T, keep_logits=agree)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    kvb = kv_bytes_avg(model, B, P, T, elem)
+    for numerics in numerics_list:
+        row = dict(preset=preset, dtype=str(dtype).replace("torch.", ""), batch=B, numerics=numerics,
+                   std=std, hf_secs=hf["secs"], hf_tok_s=B * T / hf["secs"],
+                   hf_ms_step=1e3 * hf["secs"] / T, hf_peak=hf["peak"], weight_gb=wb / 1e9,
+                   floor_ms=1e3 * wb / args.bw, floor_kv_ms=1e3 * (wb + kvb) / args.bw)
+        try:
+            fr = fast_run(model, ids, mask, T, numerics, hf["logits"] if agree else None,
+                          sample=sample)
+            row.update(fast_secs=fr["secs"], fast_tok_s=B * T / fr["secs"],
+                       decode_ms_step=fr["decode_ms"] / (fr["steps"] - 1), prefill_ms=fr["prefill_ms"],
+                       first_call_s=fr["first_call"], fast_peak=fr["peak"],
+                       speedup=hf["secs"] / fr["secs"],
+                       same_as_hf=f"{int((fr['seqs'] == hf['seqs']).all(-1).sum())}/{B}")
+            for k in ("sample_reproducible", "sample_secs", "sample_decode_ms_step"):
+                if k in fr:
+                    row[k] = fr[k]
+            if agree:
+                row.update(agreement(hf, fr, P))
+        except Exception as exc:                       # keep the other cases going
+            traceback.print_exc()
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.profile and preset in args.profile and B == 16 and dtype == torch.bfloat16:
+        try:
+            profile_steps(model, ids, mask, Path(args.out) / f"profile_{preset}.txt")
+        except Exception:
+            traceback.print_exc()
+    del model, hf
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows, bw, device):
+    head = ("| model | dtype | B | numerics | HF tok/s | HF ms/step | fast tok/s | fast decode ms/step "
+            "| prefill ms | first call s | floor ms (w / w+kv) | speedup | HF peak GiB | fast peak GiB "
+            "| same rows | agreement (rows / 1st div / max logit diff / scale) |")
+    lines = [f"device: {device}; copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", "",
+             head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['preset']} | {r['dtype']} | {r['batch']} | {r['numerics']} | "
+                         f"{r['hf_tok_s']:.0f} | {r['hf_ms_step']:.2f} | ERROR {r['error']} |")
+            continue
+        agree = ""
+        if "frac_identical" in r:
+            agree = (f"{r['rows_identical']} / {r['mean_first_divergence']:.0f} / "
+                     f"{r['max_logit_diff']:.3g} / {r['logit_scale']:.3g}")
+        lines.append(
+            f"| {r['preset']} | {r['dtype']} | {r['batch']} | {r['numerics']} | {r['hf_tok_s']:.0f} | "
+            f"{r['hf_ms_step']:.2f} | {r['fast_tok_s']:.0f} | {r['decode_ms_step']:.3f} | "
+            f"{r['prefill_ms']:.1f} | {r['first_call_s']:.2f} | {r['floor_ms']:.2f} / {r['floor_kv_ms']:.2f} | "
+            f"{r['speedup']:.1f}x | {r['hf_peak']:.1f} | {r['fast_peak']:.1f} | {r['same_as_hf']} | {agree} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--plan", default="full", help="full | quick | comma list of preset:dtype:batch")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--numerics", default="fast,hf")
+    ap.add_argument("--profile", default="bloom-560m,bloom-7b1")
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    device = f"{torch.cuda.get_device_name() if CUDA else 'cpu'} torch {torch.__version__}"
+    import transformers
+    device += f" transformers {transformers.__version__}"
+    args.bw = copy_bandwidth() if CUDA else 1e10
+    print(f"{device}; copy bandwidth {args.bw / 1e12:.2f} TB/s", flush=True)
+    args.profile = [p for p in args.profile.split(",") if p]
+    nums = args.numerics.split(",")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    P, T = args.prompt, args.new
+    if args.plan == "full":
+        plan = [("bloom-560m", bf16, 16, nums, True, True), ("bloom-560m", fp32, 16, ["fast"], True, False),
+                ("bloom-560m", bf16, 1, ["fast"], False, False), ("bloom-560m", bf16, 64, ["fast"], False, False),
+                ("bloom-1b7", bf16, 16, ["fast"], True, False), ("bloom-7b1", bf16, 16, nums, True, False),
+                ("opt-1.3b", bf16, 16, ["fast"], True, False), ("llama-7b", bf16, 16, ["fast"], True, False)]
+    elif args.plan == "smoke":
+        plan = [("tiny-bloom", fp32, 4, nums, True, True), ("tiny-opt", fp32, 3, ["fast"], True, False),
+                ("tiny-llama", fp32, 2, ["fast"], True, False)]
+    elif args.plan == "quick":
+        plan = [("bloom-560m", bf16, 16, nums, True, True)]
+    else:
+        plan = []
+        for item in args.plan.split(","):
+            name, dt, b = item.split(":")
+            plan.append((name, {"bf16": bf16, "fp32": fp32}[dt], int(b), nums, True, False))
+    rows = []
+    t0 = time.time()
+    for preset, dt, B, numerics, agree, sample in plan:
+        try:
+            rows += run_case(preset, dt, B, P, T, args, numerics, agree, sample)
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append(dict(preset=preset, dtype=str(dt), batch=B, numerics="-", hf_tok_s=0,
+                             hf_ms_step=0, error=f"{type(exc).__name__}: {exc}"[:300]))
+        print(f"[{time.time() - t0:.0f}s] done {preset} {dt} B{B}", flush=True)
+    md = table(rows, args.bw, device)
+    (Path(args.out) / "decode_results.md").write_text(md + "\n")
+    (Path(args.out) / "decode_results.json").write_text(json.dumps(rows, indent=1))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
