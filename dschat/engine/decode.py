@@ -39,6 +39,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from dschat.engine import decode_triton
+from dschat.engine.decode_triton import add_norm_ref
 from dschat.registry import UnknownModelTypeError, family_of, resolve, unwrap_peft
 from dschat.utils.logging import get_logger
 
@@ -194,8 +196,10 @@ class _DecodeBlock:
     """
 
     def __init__(self, model, *, numerics: str, fuse_qkv: bool, on_cuda: bool,
-                 attn_impl: Optional[str] = None):
+                 attn_impl: Optional[str] = None, use_triton: bool = False):
         self.model = model
+        # residual add + next norm: one Triton kernel per norm in the decode step
+        self.add_norm = decode_triton.add_norm if use_triton else add_norm_ref
         self.config = model.config
         self.fam = family_of(model)
         self.numerics = numerics
@@ -245,6 +249,10 @@ class _DecodeBlock:
     def prompt_positions(self, mask):
         """Position ids of the prompt tokens [B, P] (families without ids return None)."""
         return None
+
+    def norms(self, x):
+        """The fused add+norm for this tensor (the Triton one only for 2-D decode tensors)."""
+        return self.add_norm if x.dim() == 2 else add_norm_ref
 
     @property
     def dtype(self):
@@ -322,41 +330,43 @@ class _BloomBlock(_DecodeBlock):
             return torch._addmm_activation(fc1[1], h, fc1[0].t(), use_gelu=True)
         return F.gelu(_lin(h, *fc1), approximate="tanh")
 
-    def _layer_rest(self, x, h, ctx, lay):
-        res = h if self.post_ln_residual else x
-        x = _lin(ctx, *lay["dense"]) + res
-        h = self._ln(x, lay["ln2"])
-        res = h if self.post_ln_residual else x
-        return _lin(self._mlp_up(h, lay["fc1"]), *lay["fc2"]) + res
-
-    def _logits(self, x):
-        return _lin(self._ln(x, self.ln_f), self.head)
+    def _body(self, x, attend):
+        """Embedding-norm output -> final-norm output; attend(layer, h) -> context [.., H*D].
+        Each residual add is fused with the norm that follows it."""
+        add_norm, last = self.norms(x), len(self.layers) - 1
+        h = self._ln(x, self.layers[0]["ln1"])
+        for li, lay in enumerate(self.layers):
+            res = h if self.post_ln_residual else x
+            x, h = add_norm(_lin(attend(li, h), *lay["dense"]), res, *lay["ln2"], rms=False)
+            res = h if self.post_ln_residual else x
+            nxt = self.ln_f if li == last else self.layers[li + 1]["ln1"]
+            y = _lin(self._mlp_up(h, lay["fc1"]), *lay["fc2"])
+            x, h = add_norm(y, res, *nxt, rms=False)
+        return h
 
     def prefill(self, ids, mask, pos_ids, kv, key_bias):
         B, P = ids.shape
         H, D = self.n_heads, self.head_dim
-        x = self._ln(F.embedding(ids, self.embed), self.emb_ln)
         bias = _prefill_bias(key_bias, P)
-        for li, lay in enumerate(self.layers):
-            h = self._ln(x, lay["ln1"])
-            qkv = _lin(h, *lay["qkv"]).view(B, P, H, 3, D)
+
+        def attend(li, h):
+            qkv = _lin(h, *self.layers[li]["qkv"]).view(B, P, H, 3, D)
             kv[li, :, :, :P].copy_(qkv[:, :, :, 1:3].transpose(1, 2))
             q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
-            ctx = _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)
-            x = self._layer_rest(x, h, ctx, lay)
-        return self._logits(x[:, -1])
+            return _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)
+        h = self._body(self._ln(F.embedding(ids, self.embed), self.emb_ln), attend)
+        return _lin(h[:, -1], self.head)
 
     def decode(self, tok, row_pos, pos, kv, bias, Lb):
         B = tok.shape[0]
         H, D = self.n_heads, self.head_dim
-        x = self._ln(F.embedding(tok, self.embed), self.emb_ln)
-        for li, lay in enumerate(self.layers):
-            h = self._ln(x, lay["ln1"])
-            qkv = _lin(h, *lay["qkv"]).view(B, H, 3, D)
+
+        def attend(li, h):
+            qkv = _lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
             kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
-            ctx = _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl)
-            x = self._layer_rest(x, h, ctx, lay)
-        return self._logits(x)
+            return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl)
+        h = self._body(self._ln(F.embedding(tok, self.embed), self.emb_ln), attend)
+        return _lin(h, self.head)
 
 
 @register_block("opt")
@@ -438,50 +448,50 @@ class _OPTBlock(_DecodeBlock):
             return _lin(h, *lay["qkv"]).view(shape)
         return torch.stack([_lin(h, *lay[n]) for n in "qkv"], dim=-2).view(shape)
 
-    def _layer(self, x, lay, attend):
-        res = x
-        h = self._ln(x, lay["ln1"]) if self.pre_ln else x
-        x = _lin(attend(h), *lay["o"]) + res
+    def _body(self, x, attend):
+        """Embeddings -> last hidden state before project_out; attend(layer, h) -> context.
+        Residual adds are fused with the norm that follows them (pre- or post-LN)."""
+        add_norm, last = self.norms(x), len(self.layers) - 1
+        mlp = lambda h, lay: _lin(lay["act"](_lin(h, *lay["fc1"])), *lay["fc2"])
         if not self.pre_ln:
-            x = self._ln(x, lay["ln1"])
-        res = x
-        h = self._ln(x, lay["ln2"]) if self.pre_ln else x
-        x = _lin(lay["act"](_lin(h, *lay["fc1"])), *lay["fc2"]) + res
-        if not self.pre_ln:
-            x = self._ln(x, lay["ln2"])
-        return x
+            for li, lay in enumerate(self.layers):
+                _, x = add_norm(_lin(attend(li, x), *lay["o"]), x, *lay["ln1"], rms=False)
+                _, x = add_norm(mlp(x, lay), x, *lay["ln2"], rms=False)
+            return x if self.ln_f is None else self._ln(x, self.ln_f)
+        h = self._ln(x, self.layers[0]["ln1"])
+        for li, lay in enumerate(self.layers):
+            x, h = add_norm(_lin(attend(li, h), *lay["o"]), x, *lay["ln2"], rms=False)
+            y = mlp(h, lay)
+            nxt = self.ln_f if li == last else self.layers[li + 1]["ln1"]
+            if nxt is None:
+                h = x + y
+            else:
+                x, h = add_norm(y, x, *nxt, rms=False)
+        return h
 
-    def _logits(self, x):
-        if self.ln_f is not None:
-            x = self._ln(x, self.ln_f)
+    def _logits(self, h):
         if self.project_out is not None:
-            x = _lin(x, self.project_out)
-        return _lin(x, self.head)
+            h = _lin(h, self.project_out)
+        return _lin(h, self.head)
 
     def prefill(self, ids, mask, pos_ids, kv, key_bias):
         B, P = ids.shape
         bias = _prefill_bias(key_bias, P)
-        x = self._embed(ids, pos_ids)
-        for li, lay in enumerate(self.layers):
-            def attend(h, li=li):
-                qkv = self._qkv(h, lay)                                  # [B, P, 3, H, D]
-                kv[li, :, :, :P].copy_(qkv[:, :, 1:3].permute(0, 3, 1, 2, 4))
-                q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-                return _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)
-            x = self._layer(x, lay, attend)
-        return self._logits(x[:, -1])
+
+        def attend(li, h):
+            qkv = self._qkv(h, self.layers[li])                  # [B, P, 3, H, D]
+            kv[li, :, :, :P].copy_(qkv[:, :, 1:3].permute(0, 3, 1, 2, 4))
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+            return _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)
+        return self._logits(self._body(self._embed(ids, pos_ids), attend)[:, -1])
 
     def decode(self, tok, row_pos, pos, kv, bias, Lb):
-        B = tok.shape[0]
-        x = self._embed(tok, row_pos)
-        for li, lay in enumerate(self.layers):
-            def attend(h, li=li):
-                qkv = self._qkv(h, lay)                                  # [B, 3, H, D]
-                kv[li].index_copy_(2, pos, qkv[:, 1:3].transpose(1, 2).unsqueeze(2))
-                return _attend_decode(qkv[:, 0].unsqueeze(2), kv[li], Lb, bias, self.scale,
-                                      self.attn_impl)
-            x = self._layer(x, lay, attend)
-        return self._logits(x)
+        def attend(li, h):
+            qkv = self._qkv(h, self.layers[li])                  # [B, 3, H, D]
+            kv[li].index_copy_(2, pos, qkv[:, 1:3].transpose(1, 2).unsqueeze(2))
+            return _attend_decode(qkv[:, 0].unsqueeze(2), kv[li], Lb, bias, self.scale,
+                                  self.attn_impl)
+        return self._logits(self._body(self._embed(tok, row_pos), attend))
 
 
 def _sliding_window(config) -> Optional[int]:
@@ -597,42 +607,49 @@ class _LlamaBlock(_DecodeBlock):
     def _mlp(self, h, lay):
         return _lin(lay["act"](_lin(h, *lay["gate"])) * _lin(h, *lay["up"]), *lay["down"])
 
+    def _body(self, x, attend):
+        """Embeddings -> final-norm output; attend(layer, h) -> context. Residual adds are
+        fused with the RMSNorm that follows them."""
+        add_norm, last = self.norms(x), len(self.layers) - 1
+        h = self._rms(x, self.layers[0]["ln1"])
+        for li, lay in enumerate(self.layers):
+            w, eps = lay["ln2"]
+            x, h = add_norm(_lin(attend(li, h), *lay["o"]), x, w, None, eps, rms=True)
+            w, eps = self.ln_f if li == last else self.layers[li + 1]["ln1"]
+            x, h = add_norm(self._mlp(h, lay), x, w, None, eps, rms=True)
+        return h
+
     def prefill(self, ids, mask, pos_ids, kv, key_bias):
         B, P = ids.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
         bias = _prefill_bias(key_bias, P)
         cos, sin = self._rope_tables(pos_ids)                  # [B, P, D]
         cos, sin = cos[:, :, None], sin[:, :, None]
-        x = F.embedding(ids, self.embed)
-        for li, lay in enumerate(self.layers):
-            h = self._rms(x, lay["ln1"])
-            qkv = self._qkv(h, lay)                            # [B, P, Hq+2Hkv, D]
+
+        def attend(li, h):
+            qkv = self._qkv(h, self.layers[li])                # [B, P, Hq+2Hkv, D]
             qk = self._rope(qkv[:, :, :Hq + Hkv], cos, sin)
             k, v = qk[:, :, Hq:], qkv[:, :, Hq + Hkv:]
             kv[li, :, :, :P].copy_(torch.stack((k, v), dim=3).transpose(1, 2))
-            ctx = _attend_prefill(qk[:, :, :Hq].transpose(1, 2), k.transpose(1, 2),
-                                  v.transpose(1, 2), bias, self.scale, self.attn_impl)
-            x = _lin(ctx, *lay["o"]) + x
-            x = self._mlp(self._rms(x, lay["ln2"]), lay) + x
-        return _lin(self._rms(x[:, -1], self.ln_f), self.head)
+            return _attend_prefill(qk[:, :, :Hq].transpose(1, 2), k.transpose(1, 2),
+                                   v.transpose(1, 2), bias, self.scale, self.attn_impl)
+        h = self._body(F.embedding(ids, self.embed), attend)
+        return _lin(h[:, -1], self.head)
 
     def decode(self, tok, row_pos, pos, kv, bias, Lb):
         B = tok.shape[0]
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         cos, sin = self._rope_tables(row_pos)                  # [B, D]
         cos, sin = cos[:, None], sin[:, None]
-        x = F.embedding(tok, self.embed)
-        for li, lay in enumerate(self.layers):
-            h = self._rms(x, lay["ln1"])
-            qkv = self._qkv(h, lay)                            # [B, Hq+2Hkv, D]
+
+        def attend(li, h):
+            qkv = self._qkv(h, self.layers[li])                # [B, Hq+2Hkv, D]
             qk = self._rope(qkv[:, :Hq + Hkv], cos, sin)
             src = torch.stack((qk[:, Hq:], qkv[:, Hq + Hkv:]), dim=2)   # [B, Hkv, 2, D]
             kv[li].index_copy_(2, pos, src.unsqueeze(2))
             q = qk[:, :Hq].view(B, Hkv, Hq // Hkv, D)
-            ctx = _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl)
-            x = _lin(ctx, *lay["o"]) + x
-            x = self._mlp(self._rms(x, lay["ln2"]), lay) + x
-        return _lin(self._rms(x, self.ln_f), self.head)
+            return _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl)
+        return _lin(self._body(F.embedding(tok, self.embed), attend), self.head)
 
 
 # --------------------------------------------------------------------------- generator
@@ -706,13 +723,14 @@ class FastGenerator:
     order, for closest bf16 agreement). `fuse_qkv` (None: on for CUDA) keeps a fused Q/K/V
     weight per layer for OPT/LLaMA (extra memory: one copy of those weights), rebuilt by
     `refresh()`. `attn_impl` ("sdpa" | "bmm") overrides the decode attention numerics picks.
+    `use_triton` (None: on for CUDA where Triton imports) fuses residual adds with norms.
     """
 
     def __init__(self, model, *, max_prompt_len: int, max_new_tokens: int,
                  batch_buckets=(1, 2, 4, 8, 16, 32, 64), use_cuda_graph: Optional[bool] = None,
                  numerics: str = "fast", fuse_qkv: Optional[bool] = None,
                  length_bucket: int = LENGTH_BUCKET, check_every: int = 16,
-                 attn_impl: Optional[str] = None):
+                 attn_impl: Optional[str] = None, use_triton: Optional[bool] = None):
         model = unwrap_peft(model)
         reason = fast_decode_unsupported_reason(model, max_total_len=max_prompt_len + max_new_tokens)
         if reason is not None:
@@ -735,7 +753,8 @@ class FastGenerator:
         key = family_of(model).fast_decode
         self.block: _DecodeBlock = _BLOCKS[key](
             model, numerics=numerics, fuse_qkv=on_cuda if fuse_qkv is None else bool(fuse_qkv),
-            on_cuda=on_cuda, attn_impl=attn_impl)
+            on_cuda=on_cuda, attn_impl=attn_impl,
+            use_triton=(on_cuda and decode_triton.available()) if use_triton is None else bool(use_triton))
         self.block.rebuild()
         self._pointers = self.block.pointers()
         self._ws: Optional[_Workspace] = None
