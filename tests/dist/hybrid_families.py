@@ -1,0 +1,146 @@
+"""Rank body: HybridActor under real ZeRO-3 across ranks, every family, LoRA on and off.
+
+Launched by tests/test_hybrid.py as
+    deepspeed --num_gpus 2 tests/dist/hybrid_families.py --out PATH [--families a,b] [--lora off,on]
+Each rank writes PATH.rank<k>.json: per (family, lora) the checks the test asserts.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import traceback
+
+import torch
+
+import hybrid_common as hc
+
+
+def arg(name: str, default: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
+def eos_stop_check(actors: dict, ref, rank: int) -> dict:
+    """One row per rank, each rank's eos a token its reference emits at a different step,
+    so ranks finish at different times (synced_gpus must keep the collectives matched)."""
+    ids, mask = hc.prompts(rank, batch=1, seed=hc.SEED + 7)
+    probe = hc.hf_generate(ref, ids, mask, max_new_tokens=8, eos=None)
+    step = 1 if rank == 0 else 6
+    eos = int(probe[0, ids.shape[1] + step])
+    want = hc.hf_generate(ref, ids, mask, max_new_tokens=8, eos=eos)
+    out = {}
+    for name, actor in actors.items():
+        got = actor.generate(ids, mask, max_new_tokens=8, eos_token_id=eos, pad_token_id=hc.PAD)
+        out[name] = bool(torch.equal(got, want))
+    out["ref_len"] = int(want.shape[1] - ids.shape[1])
+    return out
+
+
+def run_case(family: str, lora: bool, rank: int) -> dict:
+    from dschat.engine.gather import GatherPlan, GatherScheduler
+    from dschat.engine.hybrid import HybridActor
+    from dschat.engine.zero import params_left_gathered
+
+    timer = hc.Timer()
+    res = {"family": family, "lora": lora}
+    model = hc.tiny_model(family, lora=lora)
+    template = copy.deepcopy(model)            # pre-DeepSpeed structure, for post-step references
+    ref = hc.reference_of(model)
+    engine = hc.make_engine(model, stage=3)
+    res["t_engine"] = timer()
+    plan = GatherPlan.build(engine.module)
+    res["partitioned"] = plan.partitioned
+    res["plan_groups"] = [g.name for g in plan.groups]
+    res["plan_bytes"] = plan.nbytes
+
+    scheds = {name: GatherScheduler() for name in ("full", "layered")}
+    common = dict(max_prompt_len=16, max_new_tokens=8)
+    actors = {
+        "full": HybridActor(engine, enable_hybrid_engine=True, mode="full", scheduler=scheds["full"],
+                            owner="full", **common),
+        "layered": HybridActor(engine, enable_hybrid_engine=True, mode="layered", tp_gather_partition_size=2,
+                               scheduler=scheds["layered"], owner="layered", **common),
+        "off": HybridActor(engine, enable_hybrid_engine=False, **common),
+    }
+    res["paths"] = {k: a.path for k, a in actors.items()}
+    ids, mask = hc.prompts(rank)
+    want = hc.hf_generate(ref, ids, mask, max_new_tokens=8)
+    before = {}
+    for name, actor in actors.items():
+        got = actor.generate(ids, mask, max_new_tokens=8, eos_token_id=hc.EOS, pad_token_id=hc.PAD)
+        before[name] = got
+        res[f"equal_{name}"] = bool(torch.equal(got, want))
+    res["t_generate"] = timer()
+    res["hybrid_on_equals_off"] = bool(torch.equal(before["full"], before["off"])
+                                       and torch.equal(before["layered"], before["off"]))
+    res["tokens_rank_sample"] = want[0, ids.shape[1]:].tolist()
+    res["full_fill_bytes"] = scheds["full"].stats["bytes_total"]
+    lay = actors["layered"]._layered
+    res["layered_slot_bytes"] = lay.slot_nbytes
+    from dschat.registry import family_of, resolve
+    block0 = resolve(lay.model, family_of(lay.model).blocks)[0]
+    res["block_bytes"] = sum(p.numel() * p.element_size() for p in block0.parameters())
+    res["src_block_bytes"] = plan.block_groups[0].nbytes      # what one block gathers (+ LoRA)
+    res["layered_peak_live"] = scheds["layered"].stats["peak_live_bytes"]
+    res["max_static_group_bytes"] = max(g.nbytes for g in plan.static_groups)
+    res["left_after_generate"] = params_left_gathered(engine.module)
+
+    # the experience's log-prob pass: replica == live training module == HF reference
+    seq = before["full"]
+    seq_mask = (torch.cat([mask, torch.ones_like(seq[:, ids.shape[1]:])], 1)).long()
+    lp_full = actors["full"].log_probs(seq, seq_mask)
+    lp_layered = actors["layered"].log_probs(seq, seq_mask)
+    lp_live = actors["off"].log_probs(seq, seq_mask)
+    lp_ref = hc.hf_log_probs(ref, seq, seq_mask)
+    valid = seq_mask[:, 1:].bool()
+    res["logprob_full_vs_live"] = float((lp_full - lp_live)[valid].abs().max())
+    res["logprob_layered_vs_live"] = float((lp_layered - lp_live)[valid].abs().max())
+    res["logprob_full_vs_ref"] = float((lp_full - lp_ref)[valid].abs().max())
+    res["full_fills_before_step"] = actors["full"].pop_stats()["gen/refills"]
+    res["t_scoring"] = timer()
+    res["eos_stop"] = eos_stop_check(actors, ref, rank)
+    res["t_eos"] = timer()
+    res["left_after_scoring"] = params_left_gathered(engine.module)
+
+    # one optimizer step; the trainer marks it for the full actor, the others see global_steps
+    res["loss0"] = hc.train_step(engine, seq, seq_mask)
+    res["t_step"] = timer()
+    actors["full"].mark_weights_updated()
+    ref2 = hc.gathered_state_reference(engine, template)
+    res["t_ref2"] = timer()
+    want2 = hc.hf_generate(ref2, ids, mask, max_new_tokens=8)
+    for name, actor in actors.items():
+        got = actor.generate(ids, mask, max_new_tokens=8, eos_token_id=hc.EOS, pad_token_id=hc.PAD)
+        res[f"after_step_equal_{name}"] = bool(torch.equal(got, want2))
+        res[f"after_step_changed_{name}"] = not torch.equal(got, before[name])
+    lp_full2 = actors["full"].log_probs(seq, seq_mask)
+    res["logprob_shift_after_step"] = float((lp_full2 - lp_full)[valid].abs().max())
+    res["logprob_full_vs_ref_after_step"] = float((lp_full2 - hc.hf_log_probs(ref2, seq, seq_mask))[valid].abs().max())
+    res["left_after_step_generate"] = params_left_gathered(engine.module)
+    loss1 = hc.train_step(engine, seq, seq_mask)
+    res["loss1_finite"] = math.isfinite(loss1)
+    res["left_final"] = params_left_gathered(engine.module)
+    res["seconds"] = timer()
+    for actor in actors.values():
+        actor.release_inference_cache()
+    return res
+
+
+def main():
+    rank, world = hc.init()
+    families = arg("--families", "bloom,opt,llama,gpt_neox,gpt2").split(",")
+    loras = [x == "on" for x in arg("--lora", "off,on").split(",")]
+    results = {"world_size": world, "cases": []}
+    for family in families:
+        for lora in loras:
+            try:
+                results["cases"].append(run_case(family, lora, rank))
+            except Exception:
+                results["cases"].append({"family": family, "lora": lora, "error": traceback.format_exc()})
+                hc.write_results(results, rank)
+                raise
+    hc.write_results(results, rank)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""Gather plan, scheduler, replicas and the hybrid actor.
+
+Single-process tests build tiny HF models (no DeepSpeed engine needed); the two
+multi-rank tests launch real ZeRO-3 engines on 2 CPU ranks (tests/dist/hybrid_*.py) and
+check token identity with plain HF generate, weight refresh after a step, and that no
+parameter is left gathered.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import REPO, run_deepspeed
+
+sys.path.insert(0, str(REPO / "tests" / "dist"))
+import hybrid_common as hc  # noqa: E402
+
+from dschat.engine.gather import (GatherBudgetError, GatherPlan, GatherScheduler, LayeredReplica,  # noqa: E402
+                                  build_replica, fill_replica, get_scheduler, release_replica)
+from dschat.engine.hybrid import HybridActor, position_ids_for  # noqa: E402
+from dschat.registry import family_of, resolve, unwrap_peft  # noqa: E402
+from dschat.utils.errors import UserInputError  # noqa: E402
+
+FAMILIES = ["bloom", "opt", "llama", "gpt_neox", "gpt2"]
+
+
+def _forward(model, ids, mask):
+    kwargs = {}
+    pos = position_ids_for(model, mask)
+    if pos is not None:
+        kwargs["position_ids"] = pos
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs).logits
+
+
+# ------------------------------------------------------------------ gather plan
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("lora", [False, True])
+def test_plan_groups_cover_every_parameter_once(family, lora):
+    model = hc.tiny_model(family, lora=lora)
+    plan = GatherPlan.build(model)
+    hf = unwrap_peft(model)
+    fam = family_of(hf)
+    n_blocks = len(resolve(hf, fam.blocks))
+    names = [g.name for g in plan.groups]
+    expected = ["embed"] + [f"block.{i}" for i in range(n_blocks)] + ["post"]
+    if not plan.tied_head:
+        expected.append("head")
+    assert names == expected
+    ids = [id(p) for g in plan.groups for p in g.tensors()]
+    assert len(ids) == len(set(ids)) == len({id(p) for p in hf.parameters()})
+    head = resolve(hf, fam.lm_head).weight
+    owners = [g.name for g in plan.groups if any(p is head for p in g.tensors())]
+    assert owners == (["embed"] if plan.tied_head else ["head"])
+    lora_groups = {g.name for g in plan.groups for n, _ in g.params if "lora_" in n}
+    assert lora_groups == ({f"block.{i}" for i in range(n_blocks)} if lora else set())
+
+
+# ------------------------------------------------------------------- scheduler
+
+def test_scheduler_budget_policy_and_stats():
+    s = GatherScheduler(budget_bytes=100)
+    a = s.lease(60, "actor")
+    assert s.try_lease(50, "critic") is None                   # would exceed the budget
+    with pytest.raises(GatherBudgetError):                     # same thread, not preemptible
+        s.lease(50, "critic")
+    a.release()
+    with s.lease(500, "reward") as big:                        # oversize runs alone
+        assert s.live_bytes == 500 and big.active
+    assert s.live_bytes == 0
+    freed = []
+    pre = s.lease(80, "prefetch", preempt=lambda: (freed.append(1), pre.release()))
+    with s.lease(50, "actor"):                                 # forces the prefetch out
+        assert freed == [1] and s.live_bytes == 50
+    s.record("actor", nbytes=1000, seconds=0.5)
+    s.record("critic", nbytes=24, seconds=0.25, copy_seconds=0.1)
+    st = s.stats
+    assert st["bytes_total"] == 1024 and st["calls_total"] == 2 and st["peak_live_bytes"] == 500
+    assert st["last"] == {"owner": "critic", "bytes": 24, "seconds": 0.25, "copy_seconds": 0.1}
+    assert st["by_owner"]["actor"] == {"bytes": 1000, "seconds": 0.5, "calls": 1}
+    popped = s.pop_stats()
+    assert popped["gather/bytes"] == 1024 and popped["gather/calls"] == 2
+    assert popped["gather/seconds"] == pytest.approx(0.75)
+    assert s.pop_stats()["gather/bytes"] == 0 and s.stats["bytes_total"] == 1024
+
+
+def test_scheduler_waits_for_another_threads_lease():
+    s = GatherScheduler(budget_bytes=100, wait_timeout_s=10)
+    held = s.lease(90, "reference")
+    order = []
+
+    def other():
+        with s.lease(90, "actor"):
+            order.append("actor")
+
+    t = threading.Thread(target=other)
+    t.start()
+    time.sleep(0.2)
+    order.append("reference-done")
+    held.release()
+    t.join(5)
+    assert order == ["reference-done", "actor"]
+
+
+def test_get_scheduler_is_a_process_singleton():
+    assert get_scheduler() is get_scheduler()
+
+
+def test_actor_rejects_bad_flags():
+    with pytest.raises(UserInputError, match="layered"):
+        HybridActor(None, enable_hybrid_engine=True, mode="pinned", max_prompt_len=8, max_new_tokens=8)
+    with pytest.raises(UserInputError, match="--tp_gather_partition_size"):
+        HybridActor(None, enable_hybrid_engine=True, tp_gather_partition_size=0, max_prompt_len=8,
+                    max_new_tokens=8)
+
+
+# -------------------------------------------------------------------- replicas
+
+@pytest.mark.parametrize("family", ["bloom", "gpt2", "llama"])
+def test_replica_merges_lora_in_place_and_keeps_addresses(family):
+    model = hc.tiny_model(family, lora=True).eval()
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = hc.reference_of(model)
+    replica = build_replica(model, torch.float32, "cpu")
+    assert not replica.training and not any(p.requires_grad for p in replica.parameters())
+    assert type(replica) is type(ref) and not hasattr(replica, "peft_config")
+    fam = family_of(replica)
+    tied = resolve(replica, fam.lm_head).weight is resolve(replica, fam.embed_tokens).weight
+    assert tied == (family != "llama")
+    fill_replica(model, replica, scheduler=GatherScheduler())
+    ptrs = [p.data_ptr() for p in replica.parameters()]
+    ids, mask = hc.prompts(0)
+    assert torch.equal(_forward(replica, ids, mask), _forward(ref, ids, mask))
+    assert torch.equal(hc.hf_generate(replica, ids, mask, max_new_tokens=6),
+                       hc.hf_generate(ref, ids, mask, max_new_tokens=6))
+    with torch.no_grad():                                     # "a step": change a LoRA B
+        next(p for n, p in model.named_parameters() if "lora_B" in n).add_(0.5)
+    fill_replica(model, replica, scheduler=GatherScheduler())
+    assert [p.data_ptr() for p in replica.parameters()] == ptrs
+    assert torch.equal(_forward(replica, ids, mask), _forward(hc.reference_of(model), ids, mask))
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, trained[n])]
+    assert len(changed) == 1 and "lora_B" in changed[0]       # the fill never wrote the trained tensors
+    release_replica(replica)
+    assert all(p.numel() == 0 for p in replica.parameters())
+
+
+@pytest.mark.parametrize("family", ["opt", "gpt_neox"])
+def test_layered_skeleton_generates_like_hf(family):
+    model = hc.tiny_model(family).eval()
+    sched = GatherScheduler()
+    layered = LayeredReplica(model, group_size=2, dtype=torch.float32, device="cpu", scheduler=sched)
+    layered.fill()
+    blocks = resolve(model, family_of(model).blocks)
+    block_bytes = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
+    assert layered.slot_nbytes == 2 * block_bytes            # 3 blocks share a 2-block slot
+    ids, mask = hc.prompts(1)
+    with layered.session() as skeleton:
+        got = hc.hf_generate(skeleton, ids, mask, max_new_tokens=6)
+    assert torch.equal(got, hc.hf_generate(model, ids, mask, max_new_tokens=6))
+    assert layered.block_gathers > 2                          # chunks reloaded every token
+    layered.close()
+
+
+# ------------------------------------------------------------ multi-rank (gloo)
+
+def _load(out: Path) -> list[dict]:
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_zero3_families_lora_full_layered_hooks(tmp_path):
+    """2 ranks, ZeRO-3 (persistence 0), bloom(6 heads)/opt/llama/gpt_neox/gpt2 x LoRA."""
+    out = tmp_path / "families"
+    run_deepspeed(REPO / "tests" / "dist" / "hybrid_families.py", ["--out", out], timeout=420)
+    for rank, result in enumerate(_load(out)):
+        assert result["world_size"] == 2
+        assert len(result["cases"]) == 10
+        for c in result["cases"]:
+            tag = f"rank{rank} {c['family']} lora={c['lora']}"
+            assert "error" not in c, c.get("error")
+            assert c["partitioned"] and c["paths"] == {"full": "full", "layered": "layered", "off": "hooks"}, tag
+            for mode in ("full", "layered", "off"):
+                assert c[f"equal_{mode}"], f"{tag}: {mode} != HF generate"
+                assert c["eos_stop"][mode], f"{tag}: {mode} with ranks stopping at different steps"
+                assert c[f"after_step_equal_{mode}"], f"{tag}: {mode} after step != HF on new weights"
+            assert c["hybrid_on_equals_off"], tag
+            assert c["logprob_shift_after_step"] > 1e-3, tag
+            assert all(c[f"after_step_changed_{m}"] for m in ("full", "layered", "off")), tag
+            # vs the live module: unmerged LoRA (x@W + s*(x@A)@B) rounds differently from W + s*B@A
+            for key, tol in (("logprob_full_vs_live", 1e-4), ("logprob_layered_vs_live", 1e-4),
+                             ("logprob_full_vs_ref", 1e-5), ("logprob_full_vs_ref_after_step", 1e-5)):
+                assert c[key] < tol, f"{tag}: {key}={c[key]}"
+            assert c["full_fill_bytes"] == c["plan_bytes"], tag
+            assert c["full_fills_before_step"] == 1, tag       # log-probs reused the replica
+            assert c["layered_slot_bytes"] == 2 * c["block_bytes"], tag
+            assert c["layered_peak_live"] <= max(2 * c["src_block_bytes"], c["max_static_group_bytes"]), tag
+            for key in ("left_after_generate", "left_after_scoring", "left_after_step_generate", "left_final"):
+                assert c[key] == [], f"{tag}: {key}"
+            assert c["loss1_finite"], tag
+
+
+def test_zero_stages_offload_gathered_budget(tmp_path):
+    """ZeRO 0/2 (alias, LoRA copy), ZeRO-3 param offload, bf16 replica, sampling,
+    --release_inference_cache, gathered() on a frozen engine, a byte budget."""
+    out = tmp_path / "stages"
+    run_deepspeed(REPO / "tests" / "dist" / "hybrid_stages.py", ["--out", out], timeout=300)
+    for rank, r in enumerate(_load(out)):
+        for name, path in (("stage0", "alias"), ("stage2", "alias"), ("stage2_lora", "full")):
+            c = r[name]
+            assert c["path"] == path, (rank, name)
+            assert c["equal"] and c["equal_off"] and c["after_step_equal"] and c["after_step_changed"], (rank, c)
+            assert c["gathered_bytes"] == 0 and c["module_training_restored"], (rank, c)
+        o = r["offload"]
+        assert "cpu" in o["offload_param"], o
+        for key in ("equal_full", "equal_layered", "equal_off", "equal_bf16_replica", "sample_paths_agree",
+                    "sample_differs_from_greedy", "default_generator_advances", "global_rng_untouched",
+                    "released_on_train", "after_step_equal_full", "after_step_equal_layered",
+                    "after_step_equal_off", "loss1_finite"):
+            assert o[key], (rank, key, o)
+        assert o["bf16_replica_dtype"] == "torch.bfloat16"
+        assert o["left_before_step"] == [] and o["left_final"] == []
+        g = r["gathered"]
+        assert g["all_available_inside"] and g["still_available_after_forward"], g
+        assert g["gathered_vs_ref"] < 1e-5 and g["hooks_vs_ref"] < 1e-5, g
+        assert g["gathered_bytes"] == g["plan_bytes"]
+        assert g["left_after_gathered"] == [] and g["left_after_hooks"] == []
+        assert g["tight_budget_equal"] and g["tight_budget_peak"] <= g["max_group_bytes"], g
+        assert g["budget_error"] and "critic" in g["budget_error"], g
+        assert g["left_after_budget_error"] == [] and g["after_error_equal"] and g["loss_finite"], g
