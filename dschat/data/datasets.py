@@ -129,8 +129,9 @@ def blend_rows(data_path: Sequence[str], data_split: str, phase: int, seed: int,
         source = load_source(entry, "--data_path")
         _check_kind(source, phase, "--data_path")
         tr, ev = phase_rows(source, data_split, phase, seed)
-        logger.info(f"--data_path {entry}: {source.kind} rows ({', '.join(sorted(set(source.formats)))}); "
-                    f"step {phase} takes {len(tr)} train / {len(ev)} eval rows")
+        formats = ", ".join(sorted(set(source.formats)))
+        logger.info(f"--data_path {entry}: {source.kind} rows ({formats}); step {phase} takes "
+                    f"{len(tr)} train / {len(ev)} eval rows")
         train += tr
         evals += ev
     train, evals = _shuffled(train, seed), _shuffled(evals, seed)
