@@ -167,9 +167,11 @@ def hf_run(model, ids, mask, T, keep_logits):
 
 def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     _reset_peak()
-    numerics, _, attn = numerics.partition(":")
+    numerics, *flags = numerics.split(":")         # e.g. fast, fast:sdpa, fast:sdpa:notriton, hf
+    attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     fg = decode.FastGenerator(model, max_prompt_len=ids.shape[1], max_new_tokens=T,
-                              numerics=numerics, attn_impl=attn or None)
+                              numerics=numerics, attn_impl=attn,
+                              use_triton=False if "notriton" in flags else None)
     kw = dict(max_new_tokens=T, min_new_tokens=T, pad_token_id=PAD, eos_token_id=EOS)
     _, first = sync_time(lambda: fg.generate(ids, mask, **kw))
     out, secs = sync_time(lambda: fg.generate(ids, mask, **kw))

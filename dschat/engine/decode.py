@@ -140,13 +140,17 @@ def _gelu_epilogue_is_tanh(device, dtype) -> bool:
     return _EPILOGUE_OK[key]
 
 
-def _attend_decode(q, kv, Lb: int, bias, scale: float, impl: str):
+def _attend_decode(q, kv, Lb: int, bias, scale: float, impl: str, pos=None):
     """One query token per row against the first Lb cached keys.
 
     q [B, Hkv, G, D] (G query heads share a K/V head), kv [B, Hkv, L, 2, D] (K at 0, V at 1),
     bias [B, Hkv, G, Lb] additive (padding, future keys, ALiBi). Returns [B, Hkv*G*D].
-    impl "sdpa": one fused kernel; "bmm": baddbmm + fp32 softmax + bmm, HF's eager order.
+    impl "sdpa": one fused kernel; "bmm": baddbmm + fp32 softmax + bmm, HF's eager order;
+    "triton": flash-decoding over slots 0..pos read on the device, bias = the raw per-key
+    bias [B, Hb, L] (no per-step mask, no length buckets).
     """
+    if impl == "triton":
+        return decode_triton.decode_attention(q, kv, bias, pos, scale)
     B, Hkv, G, D = q.shape
     k = kv[:, :, :Lb, 0]
     v = kv[:, :, :Lb, 1]
@@ -205,7 +209,8 @@ class _DecodeBlock:
         self.numerics = numerics
         self.fuse_qkv = fuse_qkv
         self.on_cuda = on_cuda
-        self.attn_impl = attn_impl or ("bmm" if numerics == "hf" else "sdpa")
+        self.attn_impl = attn_impl or ("bmm" if numerics == "hf" else
+                                       "triton" if use_triton else "sdpa")
         self._derived: dict[str, torch.Tensor] = {}
         self.bind()
 
@@ -364,7 +369,8 @@ class _BloomBlock(_DecodeBlock):
         def attend(li, h):
             qkv = _lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
             kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
-            return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl)
+            return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl,
+                                  pos)
         h = self._body(self._ln(F.embedding(tok, self.embed), self.emb_ln), attend)
         return _lin(h, self.head)
 
@@ -490,7 +496,7 @@ class _OPTBlock(_DecodeBlock):
             qkv = self._qkv(h, self.layers[li])                  # [B, 3, H, D]
             kv[li].index_copy_(2, pos, qkv[:, 1:3].transpose(1, 2).unsqueeze(2))
             return _attend_decode(qkv[:, 0].unsqueeze(2), kv[li], Lb, bias, self.scale,
-                                  self.attn_impl)
+                                  self.attn_impl, pos)
         return self._logits(self._body(self._embed(tok, row_pos), attend))
 
 
@@ -648,7 +654,7 @@ class _LlamaBlock(_DecodeBlock):
             src = torch.stack((qk[:, Hq:], qkv[:, Hq + Hkv:]), dim=2)   # [B, Hkv, 2, D]
             kv[li].index_copy_(2, pos, src.unsqueeze(2))
             q = qk[:, :Hq].view(B, Hkv, Hq // Hkv, D)
-            return _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl)
+            return _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl, pos)
         return _lin(self._body(F.embedding(tok, self.embed), attend), self.head)
 
 
@@ -723,7 +729,8 @@ class FastGenerator:
     order, for closest bf16 agreement). `fuse_qkv` (None: on for CUDA) keeps a fused Q/K/V
     weight per layer for OPT/LLaMA (extra memory: one copy of those weights), rebuilt by
     `refresh()`. `attn_impl` ("sdpa" | "bmm") overrides the decode attention numerics picks.
-    `use_triton` (None: on for CUDA where Triton imports) fuses residual adds with norms.
+    `use_triton` (None: on for CUDA where Triton imports) fuses residual adds with norms and
+    makes "triton" the decode attention of numerics="fast" (one graph per batch bucket).
     """
 
     def __init__(self, model, *, max_prompt_len: int, max_new_tokens: int,
@@ -815,6 +822,8 @@ class FastGenerator:
         return self._generate(input_ids, attention_mask, T, min_new_tokens, mode, generator)
 
     def _bucket_len(self, n: int) -> int:
+        if self.block.attn_impl == "triton":      # reads the filled length on the device
+            return self.cache_len
         return min(self.cache_len, -(-n // self.length_bucket) * self.length_bucket)
 
     def _workspace(self, Bb: int) -> _Workspace:
@@ -897,8 +906,11 @@ class FastGenerator:
         """One decode step on fixed buffers: feed ws.tok at slot ws.pos, sample, advance."""
         blk = self.block
         G = blk.n_heads // blk.n_kv_heads
-        kb = ws.key_bias[:Bb, :, None, :Lb].expand(Bb, blk.n_kv_heads, G, Lb)
-        bias = torch.where(ws.arange[:Lb] <= ws.pos, kb, _min_value(blk.dtype))
+        if blk.attn_impl == "triton":
+            bias = ws.key_bias[:Bb]
+        else:
+            kb = ws.key_bias[:Bb, :, None, :Lb].expand(Bb, blk.n_kv_heads, G, Lb)
+            bias = torch.where(ws.arange[:Lb] <= ws.pos, kb, _min_value(blk.dtype))
         logits = blk.decode(ws.tok[:Bb], ws.row_pos[:Bb], ws.pos, ws.kv[:, :Bb], bias, Lb)
         self._advance(ws, Bb, self._select(logits, ws, Bb, mode), mode)
         return logits

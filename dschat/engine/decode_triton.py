@@ -80,3 +80,155 @@ def add_norm(y, r, w, b, eps: float, rms: bool):
 def _interpreting() -> bool:
     import os
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------- attention
+
+ATTN_SPLITS: "int | None" = None       # keys split across programs; None: chosen per shape
+ATTN_BLOCK_N = 64
+
+
+def decode_attention_ref(q, kv, key_bias, pos, scale: float):
+    """One query token per row against cache slots 0..pos (pos: 1-element device tensor).
+
+    q [B, Hkv, G, D]; kv [B, Hkv, L, 2, D]; key_bias [B, Hb, L] additive (Hb 1 or Hkv*G).
+    Returns [B, Hkv*G*D]."""
+    B, Hkv, G, D = q.shape
+    L = kv.shape[2]
+    bias = key_bias.float().view(B, -1, 1, L) if key_bias.shape[1] == 1 else \
+        key_bias.float().view(B, Hkv, G, L)
+    scores = torch.einsum("bhgd,bhld->bhgl", q.float(), kv[:, :, :, 0].float()) * scale + bias
+    scores = scores.masked_fill(torch.arange(L, device=q.device) > pos, float("-inf"))
+    out = torch.einsum("bhgl,bhld->bhgd", scores.softmax(-1), kv[:, :, :, 1].float())
+    return out.to(q.dtype).reshape(B, Hkv * G * D)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale, skv_l, gmask, offs_d,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Online-softmax update with keys n0 .. n0+BLOCK_N (those < end)."""
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        k = tl.load(kv_base + offs_n[:, None] * skv_l + offs_d[None, :],
+                    mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.load(kv_base + offs_n[:, None] * skv_l + D + offs_d[None, :],
+                    mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale              # [GP, BLOCK_N]
+        s += tl.load(b_base[:, None] + offs_n[None, :],
+                     mask=gmask[:, None] & valid[None, :], other=0.0).to(tl.float32)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                           Hkv, chunk, scale,
+                           sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h,
+                           G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                           BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // Hkv
+        h = bh % Hkv
+        n_keys = tl.load(pos_ptr) + 1                 # slots 0..pos, read on the device
+        start = split * chunk
+        end = tl.minimum(start + chunk, n_keys)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        gmask = offs_g < G
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_g[:, None] * sq_g + offs_d[None, :],
+                    mask=gmask[:, None], other=0.0).to(tl.float32)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        kv_base = kv_ptr + b * skv_b + h * skv_h
+        # per-head bias row: query head h*G+g (sb_h is 0 where the bias is shared by heads)
+        b_base = bias_ptr + b * sb_b + (h * G + offs_g) * sb_h
+        if WHILE:                                     # Triton's CPU interpreter path
+            n0 = start
+            while n0 < end:
+                m_i, l_i, acc = _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
+                                            skv_l, gmask, offs_d, D, BLOCK_N)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
+                                            skv_l, gmask, offs_d, D, BLOCK_N)
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            o_ptr = out_ptr + b * (Hkv * G * D) + (h * G + offs_g[:, None]) * D + offs_d[None, :]
+            tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        else:
+            row = (bh * SPLITS + split) * GP
+            tl.store(m_ptr + row + offs_g, m_i)
+            tl.store(l_ptr + row + offs_g, l_i)
+            tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc)
+
+    @triton.jit
+    def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, Hkv,
+                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                             SPLITS: tl.constexpr):
+        bh = tl.program_id(0)
+        b = bh // Hkv
+        h = bh % Hkv
+        offs_s = tl.arange(0, SPLITS)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        rows = (bh * SPLITS + offs_s[:, None]) * GP + offs_g[None, :]        # [S, GP]
+        m = tl.load(m_ptr + rows)
+        l = tl.load(l_ptr + rows)
+        m_max = tl.max(m, axis=0)                                           # [GP]
+        w = tl.exp(m - m_max[None, :])                                       # empty splits: 0
+        denom = tl.sum(w * l, axis=0)
+        acc = tl.load(acc_ptr + rows[:, :, None] * D + offs_d[None, None, :])   # [S, GP, D]
+        out = tl.sum(w[:, :, None] * acc, axis=0) / denom[:, None]
+        o_ptr = out_ptr + b * (Hkv * G * D) + (h * G + offs_g[:, None]) * D + offs_d[None, :]
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=(offs_g < G)[:, None])
+
+
+def _splits(B: int, Hkv: int, L: int, device) -> int:
+    if ATTN_SPLITS is not None:
+        return ATTN_SPLITS
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    s = 1
+    # enough programs to fill the chip about twice, each with at least 2 key blocks
+    while B * Hkv * s < 2 * sms and L // (2 * s) >= 2 * ATTN_BLOCK_N and s < 16:
+        s *= 2
+    return s
+
+
+def decode_attention(q, kv, key_bias, pos, scale: float):
+    """Triton flash-decoding over slots 0..pos read from the device (so one CUDA graph
+    serves every step): split-K programs, then a combine kernel when split."""
+    if triton is None or (q.device.type != "cuda" and not _interpreting()):
+        return decode_attention_ref(q, kv, key_bias, pos, scale)
+    B, Hkv, G, D = q.shape
+    L = kv.shape[2]
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or kv.stride(3) != D or key_bias.stride(-1) != 1:
+        return decode_attention_ref(q, kv, key_bias, pos, scale)
+    GP = max(1, triton.next_power_of_2(G))
+    S = _splits(B, Hkv, L, q.device)
+    chunk = triton.cdiv(triton.cdiv(L, S), ATTN_BLOCK_N) * ATTN_BLOCK_N
+    out = torch.empty(B, Hkv * G * D, dtype=q.dtype, device=q.device)
+    if S > 1:
+        m = torch.empty(B * Hkv * S * GP, dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        acc = torch.empty(B * Hkv * S * GP * D, dtype=torch.float32, device=q.device)
+    else:
+        m = l = acc = out
+    sb_h = 0 if key_bias.shape[1] == 1 else key_bias.stride(1)
+    _attn_split_kernel[(B * Hkv, S)](
+        q, kv, key_bias, pos, out, m, l, acc, Hkv, chunk, float(scale),
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
+        key_bias.stride(0), sb_h, G=G, GP=GP, D=D, BLOCK_N=ATTN_BLOCK_N, SPLITS=S,
+        WHILE=_interpreting(), num_warps=4)
+    if S > 1:
+        _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GP, D=D, SPLITS=S,
+                                         num_warps=4)
+    return out
