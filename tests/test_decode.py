@@ -227,3 +227,31 @@ def test_cuda_graph_matches_eager_and_hf():
     a = graphs.generate(ids, mask, do_sample=True, generator=gen(), **kw)
     b = graphs.generate(ids, mask, do_sample=True, generator=gen(), **kw)
     assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_kernels_match_reference():
+    from dschat.engine import decode_triton as dt
+    if not dt.available():
+        pytest.skip("Triton not importable")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for rms in (False, True):
+            y, r = (torch.randn(16, 1024, device="cuda", generator=g).to(dtype) for _ in range(2))
+            w, b = (torch.randn(1024, device="cuda", generator=g).to(dtype) for _ in range(2))
+            got = dt.add_norm(y, r, w, None if rms else b, 1e-5, rms)
+            ref = dt.add_norm_ref(y, r, w, None if rms else b, 1e-5, rms)
+            for a, e in zip(got, ref):
+                torch.testing.assert_close(a.float(), e.float(), atol=tol, rtol=tol)
+        for B, Hkv, G, D, L, Hb in [(16, 16, 1, 64, 512, 16), (4, 8, 4, 128, 320, 1)]:
+            kv = torch.randn(B, Hkv, L, 2, D, device="cuda", generator=g).to(dtype)
+            q = torch.randn(B, Hkv, G + 1, D, device="cuda", generator=g).to(dtype)[:, :, :G]
+            kb = torch.randn(B, Hb, L, device="cuda", generator=g).to(dtype)
+            kb[0, :, :7] = torch.finfo(dtype).min
+            for p in (0, 63, 200, L - 1):
+                pos = torch.tensor([p], device="cuda")
+                torch.testing.assert_close(dt.decode_attention(q, kv, kb, pos, 0.1).float(),
+                                           dt.decode_attention_ref(q, kv, kb, pos, 0.1).float(),
+                                           atol=tol, rtol=tol)
