@@ -232,6 +232,7 @@ def test_zero_stages_offload_gathered_budget(tmp_path):
         assert g["gathered_vs_ref"] < 1e-5 and g["hooks_vs_ref"] < 1e-5, g
         assert g["gathered_bytes"] == g["plan_bytes"]
         assert g["left_after_gathered"] == [] and g["left_after_hooks"] == []
+        assert g["persistent_params"] > 0 and g["persistent_full_equal"], g
         assert g["tight_budget_equal"] and g["tight_budget_peak"] <= g["max_group_bytes"], g
         assert g["budget_error"] and "critic" in g["budget_error"], g
         assert g["left_after_budget_error"] == [] and g["after_error_equal"] and g["loss_finite"], g

@@ -175,9 +175,19 @@ class HybridActor:
         if path == "hooks":
             return self.module
         if path == "alias":
+            self._sync_alias()
             return self.hf
         self._ensure_filled(path)
         return self._layered.model if path == "layered" else self._replica
+
+    def _sync_alias(self) -> None:
+        """The alias is the live weights (the optimizer updates them in place); only the
+        fast decoder's derived tensors (fused projections) need a refresh after a step."""
+        key = self._weights_key()
+        if self._filled_key != key:
+            if self._fast is not None:
+                self._fast.refresh()
+            self._filled_key = key
 
     def _ensure_filled(self, path: str) -> None:
         """Build the replica once; refill it when the weights changed since the last fill."""

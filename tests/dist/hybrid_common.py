@@ -64,11 +64,11 @@ def reference_of(model):
     return ref.eval()
 
 
-def ds_config(stage: int, *, offload_param: bool = False, micro_batch: int = 3) -> dict:
+def ds_config(stage: int, *, offload_param: bool = False, micro_batch: int = 3, persistence: int = 0) -> dict:
     zero = {"stage": stage}
     if stage == 3:
         # persistence 0: every weight is really partitioned, none stays resident
-        zero.update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=1e9,
+        zero.update(stage3_param_persistence_threshold=persistence, stage3_max_live_parameters=1e9,
                     stage3_prefetch_bucket_size=1e6)
         if offload_param:
             zero["offload_param"] = {"device": "cpu"}
@@ -78,12 +78,13 @@ def ds_config(stage: int, *, offload_param: bool = False, micro_batch: int = 3) 
             "wall_clock_breakdown": False}
 
 
-def make_engine(model, stage: int, *, lr: float = 2e-2, offload_param: bool = False, train: bool = True):
+def make_engine(model, stage: int, *, lr: float = 2e-2, offload_param: bool = False, train: bool = True,
+                persistence: int = 0):
     import deepspeed
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr) if train else None
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                      config=ds_config(stage, offload_param=offload_param))
+    config = ds_config(stage, offload_param=offload_param, persistence=persistence)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
 

@@ -136,10 +136,16 @@ def gathered_case(rank: int) -> dict:
     res["hooks_vs_ref"] = float((hooks - want)[mask[:, 1:].bool()].abs().max())
     res["left_after_hooks"] = params_left_gathered(frozen.module)
 
-    # budget: a layered actor under a 1-byte budget still generates correctly (one gather at a time)
+    # budget: a layered actor under a 1-byte budget still generates correctly (one gather at a time);
+    # this engine keeps small params (norms) persistent, as the default config does
     model2 = hc.tiny_model("llama", seed=hc.SEED + 5)
     ref2 = hc.reference_of(model2)
-    engine = hc.make_engine(model2, stage=3)
+    engine = hc.make_engine(model2, stage=3, persistence=100)
+    res["persistent_params"] = sum(bool(getattr(p, "ds_persist", False)) for p in engine.module.parameters())
+    full = HybridActor(engine, enable_hybrid_engine=True, mode="full", scheduler=GatherScheduler(),
+                       max_prompt_len=16, max_new_tokens=8)
+    res["persistent_full_equal"] = generations_match(full, ref2, ids, mask)
+    full.release_inference_cache()
     tight = GatherScheduler(budget_bytes=1)
     actor = HybridActor(engine, enable_hybrid_engine=True, mode="layered", tp_gather_partition_size=1,
                         scheduler=tight, max_prompt_len=16, max_new_tokens=8)
