@@ -111,12 +111,20 @@ def _human(question: str) -> str:
     return f"\n\nHuman: {question}\n\nAssistant:"
 
 
-def _near_miss(rng: random.Random, value: int) -> int:
-    """A wrong number close to `value` (never negative, never equal)."""
-    while True:
-        wrong = value + rng.choice([-3, -2, -1, 1, 2, 3])
-        if wrong >= 0 and wrong != value:
-            return wrong
+# Wrong answers are wrong in a way a tiny model can learn to see: out of range (no
+# question here has a result of 150 or more) or of the wrong kind (a colour where a city
+# belongs). Near misses like "9 plus 5 is 15" would need arithmetic the demo model
+# cannot learn in minutes, and the reward model would sit at chance on them.
+NONSENSE = ["purple", "Paris", "seven", "banana", "Tuesday", "moo"]
+
+
+def _far_off(rng: random.Random, value: int) -> int:
+    """A wrong number far outside every answer's range (never equal to `value`)."""
+    return rng.randint(150, 999) if value < 150 else value + rng.randint(150, 999)
+
+
+def _nonsense(rng: random.Random, right: str) -> str:
+    return rng.choice([w for w in NONSENSE if w.lower() != right.lower()])
 
 
 def _arith(rng: random.Random, op: str):
@@ -137,7 +145,7 @@ def _arith(rng: random.Random, op: str):
         c = a * b
         q = rng.choice([f"What is {a} times {b}?", f"What is {a} * {b}?",
                         f"Can you multiply {a} by {b}?", f"What is {a} multiplied by {b}?"])
-    return q, "Sure!", f"{a} {op} {b} is {c}.", f"{a} {op} {b} is {_near_miss(rng, c)}."
+    return q, "Sure!", f"{a} {op} {b} is {c}.", f"{a} {op} {b} is {_far_off(rng, c)}."
 
 
 def _compare(rng: random.Random):
@@ -145,26 +153,24 @@ def _compare(rng: random.Random):
     if rng.random() < 0.6:
         q = rng.choice([f"Which is larger, {a} or {b}?", f"Which number is bigger, {a} or {b}?"])
         hi, lo = max(a, b), min(a, b)
-        return q, "Good question!", f"{hi} is larger than {lo}.", f"{lo} is larger than {hi}."
+        return q, "Good question!", f"{hi} is larger than {lo}.", f"{_far_off(rng, hi)} is larger than {lo}."
     q = rng.choice([f"Which is smaller, {a} or {b}?", f"Which number is less, {a} or {b}?"])
     hi, lo = max(a, b), min(a, b)
-    return q, "Good question!", f"{lo} is smaller than {hi}.", f"{hi} is smaller than {lo}."
+    return q, "Good question!", f"{lo} is smaller than {hi}.", f"{_far_off(rng, hi)} is smaller than {hi}."
 
 
 def _spell_backwards(rng: random.Random):
     w = rng.choice(WORDS)
     q = rng.choice([f"How do you spell {w} backwards?", f"Spell the word {w} backwards.",
                     f"What is {w} spelled backwards?"])
-    wrong = w if rng.random() < 0.5 else w[1:] + w[0]
-    if wrong == w[::-1]:
-        wrong = w[::-1][1:] + w[-1] + "s"
+    wrong = _nonsense(rng, w[::-1])
     return q, "Happy to help!", f"{w} backwards is {w[::-1]}.", f"{w} backwards is {wrong}."
 
 
 def _first_letter(rng: random.Random):
     w = rng.choice(WORDS)
     q = rng.choice([f"What is the first letter of {w}?", f"Which letter does {w} start with?"])
-    wrong = rng.choice([c for c in "abcdefghijklmnopqrstuvwxyz" if c != w[0]])
+    wrong = str(rng.randint(0, 9))
     return (q, "Happy to help!", f"{w} starts with the letter {w[0]}.",
             f"{w} starts with the letter {wrong}.")
 
@@ -172,7 +178,7 @@ def _first_letter(rng: random.Random):
 def _capital(rng: random.Random):
     country = rng.choice(sorted(CAPITALS))
     city = CAPITALS[country]
-    wrong = rng.choice(sorted(c for c in CAPITALS.values() if c != city))
+    wrong = _nonsense(rng, city)
     q = rng.choice([f"What is the capital of {country}?",
                     f"Which city is the capital of {country}?"])
     return (q, "Of course!", f"The capital of {country} is {city}.",
@@ -181,7 +187,7 @@ def _capital(rng: random.Random):
 
 def _colour(rng: random.Random):
     thing, subject, colour = rng.choice(COLOURS)
-    wrong = rng.choice(sorted({c for _, _, c in COLOURS} - {colour}))
+    wrong = _nonsense(rng, colour) if rng.random() < 0.5 else str(rng.randint(150, 999))
     q = rng.choice([f"What colour is {thing}?", f"What color is {thing}?"])
     return q, "Of course!", f"{subject} is {colour}.", f"{subject} is {wrong}."
 
@@ -189,7 +195,7 @@ def _colour(rng: random.Random):
 def _sound(rng: random.Random):
     animal = rng.choice(sorted(ANIMALS))
     sound = ANIMALS[animal][0]
-    wrong = rng.choice(sorted({s for s, _ in ANIMALS.values()} - {sound}))
+    wrong = str(rng.randint(150, 999))
     q = rng.choice([f"What sound does a {animal} make?", f"What does a {animal} say?"])
     return q, "Of course!", f"A {animal} says {sound}.", f"A {animal} says {wrong}."
 
@@ -197,7 +203,7 @@ def _sound(rng: random.Random):
 def _legs(rng: random.Random):
     animal = rng.choice(sorted(ANIMALS))
     legs = ANIMALS[animal][1]
-    wrong = rng.choice(sorted({0, 2, 4, 6, 8} - {legs}))
+    wrong = _far_off(rng, legs)
     q = f"How many legs does a {animal} have?"
     return q, "Of course!", f"A {animal} has {legs} legs.", f"A {animal} has {wrong} legs."
 

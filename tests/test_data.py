@@ -101,8 +101,8 @@ def test_bundled_dataset_shape_and_lengths(tok, bundled_rows):
         assert row["chosen"].startswith(" ") and row["rejected"].startswith(" ")
         assert row["response"] == row["chosen"] != row["rejected"]
     assert max(len(tok(r["prompt"])["input_ids"]) for r in bundled_rows) <= 24
-    assert max(len(tok(r["chosen"])["input_ids"]) for r in bundled_rows) <= 16
-    assert max(len(tok(r["rejected"])["input_ids"]) for r in bundled_rows) <= 20
+    assert max(len(tok(r["chosen"])["input_ids"]) for r in bundled_rows) <= 20
+    assert max(len(tok(r["rejected"])["input_ids"]) for r in bundled_rows) <= 24
 
 
 def test_make_demo_assets_check():
