@@ -138,6 +138,12 @@ class PPOTrainer:
             update_ema(self.e.ema.module, self.e.actor.module, self.cfg.ema_beta)
 
     # ------------------------------------------------------------------ metrics
+    def params_left_gathered(self) -> int:
+        """ZeRO-3 parameters of any step-3 model still gathered or in flight (should be 0)."""
+        from dschat.engine.zero import params_left_gathered
+        engines = [self.e.actor, self.e.ref, self.e.critic, self.e.reward, self.e.ema]
+        return sum(len(params_left_gathered(e.module)) for e in engines if e is not None)
+
     @staticmethod
     def experience_metrics(exp: Experience) -> dict:
         lengths = exp.action_mask.sum(1).float()

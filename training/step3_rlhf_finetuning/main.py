@@ -240,7 +240,7 @@ def main(argv=None):
     run_config = resolved_config(args, actor_ds_config=engines.actor_ds_config,
                                  critic_ds_config=engines.critic_ds_config, world_size=world,
                                  prompts=len(prompt_data))
-    print_rank_0(f"resolved configuration: {run_config}")
+    print_rank_0("resolved configuration:\n" + json.dumps(run_config, indent=1, sort_keys=True, default=str))
     metrics = MetricsLogger(args.output_dir, enable_tensorboard=args.enable_tensorboard,
                             tensorboard_path=resolve_under(args.output_dir, args.tensorboard_path),
                             enable_wandb=args.enable_wandb, wandb_project=args.wandb_project, config=run_config)
@@ -296,6 +296,7 @@ def main(argv=None):
             record.update({f"{k}": v for k, v in engines.hybrid.pop_stats().items()})
             record["time/step_s"] = time.time() - step_start
             record["memory/peak_gib"] = peak_memory_gib(device)
+            record["zero/params_left_gathered"] = trainer.params_left_gathered()
             record["ppo/samples_per_s"] = exp.batch_size * world / record["time/step_s"]
             metrics.log(step, record)
             progress.set_postfix(reward=f"{record['ppo/reward_mean']:.3f}", kl=f"{record['ppo/kl']:.3f}")
