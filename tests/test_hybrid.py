@@ -187,13 +187,14 @@ def test_zero3_families_lora_full_layered_hooks(tmp_path):
             tag = f"rank{rank} {c['family']} lora={c['lora']}"
             assert "error" not in c, c.get("error")
             assert c["partitioned"] and c["paths"] == {"full": "full", "layered": "layered", "off": "hooks"}, tag
-            for mode in ("full", "layered", "off"):
+            assert c["fast_used"] == (c["family"] in ("bloom", "opt", "llama")), tag
+            for mode in ("full", "layered", "off", "fast"):
                 assert c[f"equal_{mode}"], f"{tag}: {mode} != HF generate"
                 assert c["eos_stop"][mode], f"{tag}: {mode} with ranks stopping at different steps"
                 assert c[f"after_step_equal_{mode}"], f"{tag}: {mode} after step != HF on new weights"
             assert c["hybrid_on_equals_off"], tag
             assert c["logprob_shift_after_step"] > 1e-3, tag
-            assert all(c[f"after_step_changed_{m}"] for m in ("full", "layered", "off")), tag
+            assert all(c[f"after_step_changed_{m}"] for m in ("full", "layered", "off", "fast")), tag
             # vs the live module: unmerged LoRA (x@W + s*(x@A)@B) rounds differently from W + s*B@A
             for key, tol in (("logprob_full_vs_live", 1e-4), ("logprob_layered_vs_live", 1e-4),
                              ("logprob_full_vs_ref", 1e-5), ("logprob_full_vs_ref_after_step", 1e-5)):

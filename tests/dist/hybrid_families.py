@@ -61,8 +61,11 @@ def run_case(family: str, lora: bool, rank: int) -> dict:
         "layered": HybridActor(engine, enable_hybrid_engine=True, mode="layered", tp_gather_partition_size=2,
                                scheduler=scheds["layered"], owner="layered", **common),
         "off": HybridActor(engine, enable_hybrid_engine=False, **common),
+        # the fast decode path (forced on CPU): in-place refill + refresh() contract with decode.py
+        "fast": HybridActor(engine, enable_hybrid_engine=True, mode="full", use_fast_decode=True,
+                            scheduler=GatherScheduler(), **common),
     }
-    res["paths"] = {k: a.path for k, a in actors.items()}
+    res["paths"] = {k: a.path for k, a in actors.items() if k != "fast"}
     ids, mask = hc.prompts(rank)
     want = hc.hf_generate(ref, ids, mask, max_new_tokens=8)
     before = {}
@@ -71,6 +74,7 @@ def run_case(family: str, lora: bool, rank: int) -> dict:
         before[name] = got
         res[f"equal_{name}"] = bool(torch.equal(got, want))
     res["t_generate"] = timer()
+    res["fast_used"] = actors["fast"]._fast is not None
     res["hybrid_on_equals_off"] = bool(torch.equal(before["full"], before["off"])
                                        and torch.equal(before["layered"], before["off"]))
     res["tokens_rank_sample"] = want[0, ids.shape[1]:].tolist()
@@ -98,7 +102,7 @@ def run_case(family: str, lora: bool, rank: int) -> dict:
     res["logprob_full_vs_ref"] = float((lp_full - lp_ref)[valid].abs().max())
     res["full_fills_before_step"] = actors["full"].pop_stats()["gen/refills"]
     res["t_scoring"] = timer()
-    res["eos_stop"] = eos_stop_check(actors, ref, rank)
+    res["eos_stop"] = eos_stop_check(actors, ref, rank)   # includes the fast path
     res["t_eos"] = timer()
     res["left_after_scoring"] = params_left_gathered(engine.module)
 
