@@ -7,8 +7,6 @@ parameter is left gathered.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
 import sys
 import threading
