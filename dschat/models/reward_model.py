@@ -60,8 +60,14 @@ class RewardModel(nn.Module):
 
     def values(self, input_ids, attention_mask=None) -> torch.Tensor:
         """Per-token values [B, L] (computed in fp32 from the last hidden states)."""
+        from dschat.engine.hybrid import position_ids_for
+        kwargs = {}
+        if attention_mask is not None:  # left-padded step-3 rows: positions as HF generate has them
+            position_ids = position_ids_for(self.rwtransformer, attention_mask)
+            if position_ids is not None:
+                kwargs["position_ids"] = position_ids
         hidden = self.rwtransformer(input_ids=input_ids, attention_mask=attention_mask,
-                                    use_cache=False).last_hidden_state
+                                    use_cache=False, **kwargs).last_hidden_state
         return self.v_head(hidden).squeeze(-1).float()
 
     def _ends(self, input_ids, attention_mask) -> torch.Tensor:

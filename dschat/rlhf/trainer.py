@@ -86,7 +86,8 @@ class PPOTrainer:
         logits = self.e.hybrid.logits(seq, attention_mask)
         logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(seq, P))
         del logits
-        ref_logits = self.e.ref(input_ids=seq, attention_mask=attention_mask, use_cache=False).logits
+        ref_logits = self.e.ref(input_ids=seq, attention_mask=attention_mask, use_cache=False,
+                                **_positions(self.e.ref.module, attention_mask)).logits
         ref_logprobs = pm.gather_log_probs(pm.answer_slice(ref_logits, P), pm.answer_tokens(seq, P))
         del ref_logits
         reward = self.e.reward.module.forward_value(seq, attention_mask)["chosen_end_scores"].float()
@@ -107,7 +108,9 @@ class PPOTrainer:
         P = exp.prompt_width
         self.e.actor.train()
         self.e.critic.train()
-        logits = self.e.actor(input_ids=exp.seq, attention_mask=exp.attention_mask, use_cache=False).logits
+        # the same positions as generation and the experience pass (left-padded prompts)
+        logits = self.e.actor(input_ids=exp.seq, attention_mask=exp.attention_mask, use_cache=False,
+                              **_positions(self.e.actor.module, exp.attention_mask)).logits
         logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(exp.seq, P))
         a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask, self.cfg.cliprange)
         self.e.actor.backward(a_loss)
@@ -157,6 +160,12 @@ class PPOTrainer:
             "gen/answer_len_max": _all_reduce_max(lengths.max()),
             "ppo/value_mean": all_reduce_mean(pm.masked_mean(exp.values, exp.action_mask)).item(),
         }
+
+
+def _positions(module, attention_mask) -> dict:
+    from dschat.engine.hybrid import position_ids_for
+    position_ids = position_ids_for(module, attention_mask)
+    return {} if position_ids is None else {"position_ids": position_ids}
 
 
 def _all_reduce_max(value: torch.Tensor) -> float:
