@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from dschat.data import DataCollatorRLHF, create_prompt_dataset, create_unsupervised_dataset
+from dschat.engine.gather import get_scheduler
 from dschat.engine.distributed import all_reduce_mean, init_distributed, peak_memory_gib, rank
 from dschat.engine.train_utils import make_loader, to_device
 from dschat.models.model_utils import load_tokenizer, save_hf_format
@@ -89,6 +90,9 @@ def parse_args(argv=None):
                    help="Free the replica, KV cache and graphs after each rollout.")
     g.add_argument("--inference_tp_size", type=int, default=1, help="Tensor parallelism of generation.")
     g.add_argument("--tp_gather_partition_size", type=int, default=8, help="Blocks per gather group (layered mode).")
+    g.add_argument("--disable_fast_decode", action="store_true",
+                   help="Decode with HF generate on the replica even where the fast path (static KV cache "
+                        "+ CUDA graphs, on GPU for bloom/opt/llama) is available; for comparisons.")
     g = p.add_argument_group("memory and precision")
     g.add_argument("--offload", action="store_true", help="ZeRO-Offload for actor and critic.")
     g.add_argument("--offload_reference_model", action="store_true", help="Offload the reference model.")
@@ -293,7 +297,8 @@ def main(argv=None):
             for key in stats[0]:
                 record[f"ppo/{key}"] = all_reduce_mean(torch.stack([s[key] for s in stats]).mean()).item()
             record["time/train_s"] = time.time() - train_start
-            record.update({f"{k}": v for k, v in engines.hybrid.pop_stats().items()})
+            record.update(engines.hybrid.pop_stats())
+            record.update(get_scheduler().pop_stats())
             record["time/step_s"] = time.time() - step_start
             record["memory/peak_gib"] = peak_memory_gib(device)
             record["zero/params_left_gathered"] = trainer.params_left_gathered()
