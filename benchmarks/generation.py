@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""Generation under ZeRO-3, side by side in one run: plain HF, ZeRO-3 hooks, DeepSpeed's
+`unwrap_model_for_generation`, ours generic (HF generate on the replica), ours fast.
+
+    python benchmarks/generation.py --models bloom-560m bloom-7b1 --batch 16 --prompt_len 256 --new_tokens 256
+
+Random-init models at real shapes (by preset name) or a real model folder (--model PATH).
+Every mode generates the same forced number of tokens (min_new_tokens = max_new_tokens)
+for the same left-padded prompts on the same weights. The table gives tokens/s, ms per
+generated token (prefill included), peak GiB, gather seconds, the ratio to plain HF, and
+the bandwidth floor: weight bytes over the device-to-device copy bandwidth measured here.
+Single process (ZeRO-3 world size 1, as the anchors in shared/docs/ANCHORS.md); run under
+`deepspeed --num_gpus N` for data parallel N (each rank its own prompts; per-GPU numbers).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+PRESETS = {
+    "tiny-bloom": dict(model_type="bloom", vocab_size=1024, hidden_size=128, n_layer=4, n_head=4),  # CPU smoke
+    "bloom-560m": dict(model_type="bloom", vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16),
+    "bloom-1b7": dict(model_type="bloom", vocab_size=250880, hidden_size=2048, n_layer=24, n_head=16),
+    "bloom-7b1": dict(model_type="bloom", vocab_size=250880, hidden_size=4096, n_layer=30, n_head=32),
+    "opt-1.3b": dict(model_type="opt", vocab_size=50272, hidden_size=2048, num_hidden_layers=24,
+                     num_attention_heads=32, ffn_dim=8192, word_embed_proj_dim=2048, max_position_embeddings=2048),
+    "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
+                     max_position_embeddings=4096),
+}
+MODES = ("hf", "hooks", "unwrap", "generic", "fast")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["bloom-560m"], help=f"Presets ({', '.join(PRESETS)}) or folders.")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="Modes to run.")
+    p.add_argument("--batch", type=int, nargs="+", default=[16], help="Prompts per rank (several: one row each).")
+    p.add_argument("--prompt_len", type=int, default=256, help="Prompt tokens (left-padded, mixed lengths).")
+    p.add_argument("--new_tokens", type=int, default=256, help="Generated tokens, forced.")
+    p.add_argument("--dtype", default="bf16", choices=DTYPES, help="Inference and ZeRO dtype.")
+    p.add_argument("--hooks_max_layers", type=int, default=None,
+                   help="Skip the (slow) hooks mode for models with more layers than this.")
+    p.add_argument("--layered", action="store_true", help="Also run ours in layered mode (--unpin_actor_parameters).")
+    p.add_argument("--out", default=None, help="Append the table (markdown) and JSON rows to this file stem.")
+    p.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
+    return p.parse_args(argv)
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth in bytes/s (reads + writes), best of a few copies."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del src, dst
+    return 2 * (1 << 30) / best
+
+
+def build_model(name, dtype, device):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if name in PRESETS:
+        cfg = dict(PRESETS[name])
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, 1, 2
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    # random bf16 weights at init scale overflow deep models; shrink them (fixed seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(0.5)
+    return model.eval()
+
+
+def make_prompts(batch, prompt_len, vocab, device, rank):
+    g = torch.Generator().manual_seed(1000 + rank)
+    ids = torch.randint(4, min(vocab, 32000), (batch, prompt_len), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(batch):  # mixed lengths, left padded
+        pad = int(torch.randint(0, prompt_len // 4, (1,), generator=g)) if i % 2 else 0
+        ids[i, :pad], mask[i, :pad] = 0, 0
+    return ids.to(device), mask.to(device)
+
+
+def timed(fn, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    t = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
+    return out, secs, peak
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import deepspeed
+    from dschat.engine.config import eval_ds_config
+    from dschat.engine.distributed import init_distributed, rank, world_size
+    from dschat.engine.hybrid import HybridActor
+
+    device = init_distributed(args.local_rank)
+    dtype = DTYPES[args.dtype]
+    bw = copy_bandwidth(device)
+    rows = []
+    for name in args.models:
+        model = build_model(name, dtype, device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        floor_ms = weight_bytes / bw * 1e3
+        vocab = model.config.vocab_size
+        layers = model.config.num_hidden_layers
+        gen_kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                          pad_token_id=0, eos_token_id=1)
+        engine = actor = None
+        for batch in args.batch:
+            ids, mask = make_prompts(batch, args.prompt_len, vocab, device, rank())
+            ref_tokens = None
+
+            def record(mode, out, secs, peak, gather_s=0.0, extra=None):
+                nonlocal ref_tokens
+                new = out[:, ids.shape[1]:]
+                same = float("nan") if ref_tokens is None else (new == ref_tokens).all(dim=1).float().mean().item()
+                if ref_tokens is None:
+                    ref_tokens = new
+                tokens = new.numel()
+                rows.append(dict(model=name, batch=batch, mode=mode, tokens_per_s=tokens / secs * 1.0,
+                                 ms_per_step=secs / args.new_tokens * 1e3, peak_gib=peak, gather_s=gather_s,
+                                 floor_ms=floor_ms, same_rows_as_hf=same, world=world_size(), **(extra or {})))
+                if rank() == 0:
+                    print(json.dumps(rows[-1]), flush=True)
+
+            if "hf" in args.modes and engine is None:
+                with torch.no_grad():
+                    model.generate(ids[:, -8:], attention_mask=mask[:, -8:], max_new_tokens=2)  # warm up
+                    out, secs, peak = timed(lambda: model.generate(ids, attention_mask=mask, **gen_kwargs), device)
+                record("hf", out, secs, peak)
+            if engine is None:  # ZeRO-3 takes the model over (partitions it in place)
+                engine, *_ = deepspeed.initialize(model=model, config=eval_ds_config(zero_stage=3, dtype=args.dtype))
+                engine.eval()
+            if "hooks" in args.modes and (args.hooks_max_layers is None or layers <= args.hooks_max_layers):
+                with torch.no_grad():
+                    out, secs, peak = timed(lambda: engine.module.generate(
+                        ids, attention_mask=mask, synced_gpus=world_size() > 1, **gen_kwargs), device)
+                record("zero3 hooks", out, secs, peak)
+            if "unwrap" in args.modes:
+                from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+                def unwrap_generate():
+                    with unwrap_model_for_generation(engine) as unwrapped, torch.no_grad():
+                        return unwrapped.generate(ids, attention_mask=mask, **gen_kwargs)
+                out, secs, peak = timed(unwrap_generate, device)
+                record("zero3 DeepSpeed unwrap", out, secs, peak)
+            variants = [m for m in ("generic", "fast") if m in args.modes]
+            for mode in variants:
+                for layered in ([False, True] if args.layered and mode == "generic" else [False]):
+                    actor = HybridActor(engine, enable_hybrid_engine=True, mode="layered" if layered else "full",
+                                        use_fast_decode=(mode == "fast"), max_prompt_len=args.prompt_len,
+                                        max_new_tokens=args.new_tokens, inference_dtype=dtype)
+                    # first call builds and fills the replica (and captures graphs): measured apart
+                    _, first_s, _ = timed(lambda: actor.generate(ids, mask, max_new_tokens=args.new_tokens,
+                                                                 min_new_tokens=args.new_tokens, eos_token_id=1,
+                                                                 pad_token_id=0), device)
+                    actor.pop_stats()
+                    actor.mark_weights_updated()  # as after an optimizer step: refill in place
+                    out, secs, peak = timed(lambda: actor.generate(ids, mask, max_new_tokens=args.new_tokens,
+                                                                   min_new_tokens=args.new_tokens, eos_token_id=1,
+                                                                   pad_token_id=0), device)
+                    stats = actor.pop_stats()
+                    gather_s = stats.get("gen/fill_seconds", 0.0)
+                    label = f"ours {mode}" + (" layered" if layered else "")
+                    record(label, out, secs, peak, gather_s,
+                           extra=dict(first_call_s=first_s, refill_share=gather_s / secs if secs else 0.0))
+                    actor.release_inference_cache()
+                    del actor
+                    torch.cuda.empty_cache() if device.type == "cuda" else None
+        del engine, model
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    if rank() == 0:
+        print_table(rows, bw)
+        if args.out:
+            with open(args.out + ".md", "a") as f:
+                f.write(table_markdown(rows, bw))
+            with open(args.out + ".jsonl", "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+
+
+def table_markdown(rows, bw) -> str:
+    lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s; ms/step = wall seconds / new tokens (prefill included)", "",
+             "| model | batch | mode | tokens/s | ms/step | x HF | floor ms | peak GiB | gather s | same rows as HF |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    hf = {(r["model"], r["batch"]): r["tokens_per_s"] for r in rows if r["mode"] == "hf"}
+    for r in rows:
+        ratio = r["tokens_per_s"] / hf[(r["model"], r["batch"])] if (r["model"], r["batch"]) in hf else float("nan")
+        lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.2f} | "
+                     f"{ratio:.2f} | {r['floor_ms']:.2f} | {r['peak_gib']:.1f} | {r['gather_s']:.3f} | "
+                     f"{r['same_rows_as_hf']:.2f} |")
+    return "\n".join(lines) + "\n\n"
+
+
+def print_table(rows, bw):
+    print(table_markdown(rows, bw), flush=True)
+
+
+if __name__ == "__main__":
+    main()

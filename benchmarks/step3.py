@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Step 3 end to end, side by side: seconds per PPO step split into generation / scoring /
+training, for hybrid off (ZeRO-3 hooks), ours generic (replica + HF generate) and ours fast.
+
+    python benchmarks/step3.py --preset bloom-560m --steps 6 --num_gpus 1
+
+Builds a random-init actor (the preset's shape) and a random reward model on its backbone,
+writes prompts of exactly --prompt_len tokens, then runs training/step3_rlhf_finetuning/main.py
+once per mode through the deepspeed launcher with actor and critic both at ZeRO-3, answers
+forced to --answer_len tokens. Steady-state numbers skip the first --warmup steps.
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODES = {
+    "hybrid off": [],
+    "ours generic": ["--enable_hybrid_engine", "--disable_fast_decode"],
+    "ours fast": ["--enable_hybrid_engine"],
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="bloom-560m", help="A model shape of benchmarks/generation.py.")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="Modes to run.")
+    p.add_argument("--steps", type=int, default=6, help="PPO steps per mode.")
+    p.add_argument("--warmup", type=int, default=2, help="Steps left out of the steady-state mean.")
+    p.add_argument("--batch", type=int, default=16, help="Prompts per GPU per step.")
+    p.add_argument("--prompt_len", type=int, default=256)
+    p.add_argument("--answer_len", type=int, default=256)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--num_gpus", type=int, default=1)
+    p.add_argument("--workdir", default="/tmp/dschat_step3_bench")
+    p.add_argument("--out", default=None, help="Append the table (markdown) to this file.")
+    return p.parse_args(argv)
+
+
+def build_models(preset: str, workdir: Path) -> tuple[Path, Path]:
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from benchmarks.generation import PRESETS
+    from dschat.models.model_utils import load_tokenizer, save_hf_format
+    from dschat.models.reward_model import RewardModel, save_reward_model
+
+    actor_dir, critic_dir = workdir / "actor", workdir / "critic"
+    if (actor_dir / "model.safetensors").exists() and (critic_dir / "reward_model.json").exists():
+        return actor_dir, critic_dir
+    tokenizer = load_tokenizer(None)
+    cfg = dict(PRESETS[preset])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, 1, 2
+    torch.manual_seed(0)
+    actor = AutoModelForCausalLM.from_config(config)
+    save_hf_format(actor, tokenizer, actor_dir)
+    del actor
+    critic = RewardModel(AutoModel.from_config(config), pad_token_id=tokenizer.pad_token_id)
+    save_reward_model(critic, tokenizer, critic_dir)
+    return actor_dir, critic_dir
+
+
+def write_prompts(path: Path, prompt_len: int, n: int) -> None:
+    """Prompts of exactly `prompt_len` tokens of the bundled tokenizer (random word salad)."""
+    from dschat.models.model_utils import load_tokenizer
+    tok = load_tokenizer(None)
+    words = [w for w in ("apple red blue seven capital France dog says moo plus minus times larger "
+                         "smaller spell backwards letter the of is what which how many legs").split()]
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(n):
+            text = "\n\nHuman:"
+            while len(tok(text + " x\n\nAssistant:")["input_ids"]) < prompt_len:
+                text += " " + rng.choice(words)
+            prompt = text + "\n\nAssistant:"
+            while len(tok(prompt)["input_ids"]) > prompt_len:  # trim overshoot
+                text = text.rsplit(" ", 1)[0]
+                prompt = text + "\n\nAssistant:"
+            f.write(json.dumps({"prompt": prompt, "response": " ok"}) + "\n")
+
+
+def run_mode(mode, args, actor, critic, prompts, workdir) -> list[dict]:
+    out = workdir / mode.replace(" ", "_")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.num_gpus),
+           str(REPO / "training/step3_rlhf_finetuning/main.py"),
+           "--actor_model_name_or_path", str(actor), "--critic_model_name_or_path", str(critic),
+           "--data_path", str(prompts), "--data_split", "0,0,1", "--data_output_path", str(workdir / "cache"),
+           "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--dtype", args.dtype,
+           "--per_device_generation_batch_size", str(args.batch), "--per_device_training_batch_size", str(args.batch),
+           "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
+           "--min_answer_seq_len", str(args.answer_len), "--max_steps", str(args.steps),
+           "--num_warmup_steps", "0", "--output_dir", str(out), *MODES[mode]]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+        return []
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    actor, critic = build_models(args.preset, workdir)
+    prompts = workdir / "prompts.jsonl"
+    write_prompts(prompts, args.prompt_len, args.batch * args.num_gpus * (args.steps + 1) * 2)
+    results = {}
+    for mode in args.modes:
+        rows = run_mode(mode, args, actor, critic, prompts, workdir)
+        steady = rows[args.warmup:] or rows
+        if not steady:
+            results[mode] = None
+            continue
+        mean = lambda k: sum(r.get(k, 0.0) for r in steady) / len(steady)  # noqa: E731
+        results[mode] = {k: mean(k) for k in ("time/step_s", "time/generate_s", "time/score_s", "time/train_s",
+                                              "gen/fill_seconds", "memory/peak_gib")}
+        results[mode]["samples_per_s"] = args.batch * args.num_gpus / results[mode]["time/step_s"]
+        print(mode, json.dumps(results[mode]), flush=True)
+    lines = [f"step 3, {args.preset} actor + critic at ZeRO-3, {args.dtype}, {args.num_gpus} GPU(s), "
+             f"{args.batch} x ({args.prompt_len} + {args.answer_len}) per GPU per step; mean of steps "
+             f"{args.warmup + 1}..{args.steps}", "",
+             "| mode | step s | generation s | scoring s | training s | refill s | samples/s | x hybrid off | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    base = (results.get("hybrid off") or {}).get("samples_per_s")
+    for mode, r in results.items():
+        if r is None:
+            lines.append(f"| {mode} | failed | | | | | | | |")
+            continue
+        ratio = r["samples_per_s"] / base if base else float("nan")
+        lines.append(f"| {mode} | {r['time/step_s']:.2f} | {r['time/generate_s']:.2f} | {r['time/score_s']:.2f} | "
+                     f"{r['time/train_s']:.2f} | {r['gen/fill_seconds']:.3f} | {r['samples_per_s']:.2f} | "
+                     f"{ratio:.2f} | {r['memory/peak_gib']:.1f} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
