@@ -276,7 +276,7 @@ def run_case(preset, dtype, B, P, T, args, numerics_list, agree, sample=False, s
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         print(json.dumps(row), flush=True)
         rows.append(row)
-    if args.profile and preset in args.profile and B == 16 and dtype == torch.bfloat16:
+    if args.profile and preset in args.profile and B == 16 and dtype == torch.bfloat16 and std is None:
         try:
             profile_steps(model, ids, mask, Path(args.out) / f"profile_{preset}.txt")
         except Exception:
@@ -303,8 +303,9 @@ def table(rows, bw, device):
         if "frac_identical" in r:
             agree = (f"{r['rows_identical']} / {r['mean_first_divergence']:.0f} / "
                      f"{r['max_logit_diff']:.3g} / {r['logit_scale']:.3g}")
+        name = r["preset"] + (f" (init std {r['std']})" if r.get("std") else "")
         lines.append(
-            f"| {r['preset']} | {r['dtype']} | {r['batch']} | {r['numerics']} | {r['hf_tok_s']:.0f} | "
+            f"| {name} | {r['dtype']} | {r['batch']} | {r['numerics']} | {r['hf_tok_s']:.0f} | "
             f"{r['hf_ms_step']:.2f} | {r['fast_tok_s']:.0f} | {r['decode_ms_step']:.3f} | "
             f"{r['prefill_ms']:.1f} | {r['first_call_s']:.2f} | {r['floor_ms']:.2f} / {r['floor_kv_ms']:.2f} | "
             f"{r['speedup']:.1f}x | {r['hf_peak']:.1f} | {r['fast_peak']:.1f} | {r['same_as_hf']} | {agree} |")
@@ -318,7 +319,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--numerics", default="fast,hf")
-    ap.add_argument("--profile", default="bloom-560m,bloom-7b1")
+    ap.add_argument("--profile", default="bloom-560m")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     device = f"{torch.cuda.get_device_name() if CUDA else 'cpu'} torch {torch.__version__}"
@@ -330,26 +331,33 @@ def main():
     nums = args.numerics.split(",")
     bf16, fp32 = torch.bfloat16, torch.float32
     P, T = args.prompt, args.new
+    # (preset, dtype, batch, variants, agreement pass, sampling pass, init std or None)
     if args.plan == "full":
-        plan = [("bloom-560m", bf16, 16, nums, True, True), ("bloom-560m", fp32, 16, ["fast"], True, False),
-                ("bloom-560m", bf16, 1, ["fast"], False, False), ("bloom-560m", bf16, 64, ["fast"], False, False),
-                ("bloom-1b7", bf16, 16, ["fast"], True, False), ("bloom-7b1", bf16, 16, nums, True, False),
-                ("opt-1.3b", bf16, 16, ["fast"], True, False), ("llama-7b", bf16, 16, ["fast"], True, False)]
+        plan = [("bloom-560m", bf16, 16, nums, True, True, None),
+                ("bloom-560m", bf16, 16, ["fast", "hf"], True, False, 0.1),
+                ("bloom-560m", fp32, 16, ["fast"], True, False, None),
+                ("bloom-560m", bf16, 1, ["fast"], False, False, None),
+                ("bloom-560m", bf16, 64, ["fast"], False, False, None),
+                ("bloom-1b7", bf16, 16, ["fast"], True, False, None),
+                ("bloom-7b1", bf16, 16, nums, True, False, None),
+                ("opt-1.3b", bf16, 16, ["fast"], True, False, None),
+                ("llama-7b", bf16, 16, ["fast"], True, False, None)]
     elif args.plan == "smoke":
-        plan = [("tiny-bloom", fp32, 4, nums, True, True), ("tiny-opt", fp32, 3, ["fast"], True, False),
-                ("tiny-llama", fp32, 2, ["fast"], True, False)]
+        plan = [("tiny-bloom", fp32, 4, nums, True, True, None), ("tiny-bloom", fp32, 4, ["fast"], True, False, 0.5),
+                ("tiny-opt", fp32, 3, ["fast"], True, False, None),
+                ("tiny-llama", fp32, 2, ["fast"], True, False, None)]
     elif args.plan == "quick":
-        plan = [("bloom-560m", bf16, 16, nums, True, True)]
+        plan = [("bloom-560m", bf16, 16, nums, True, True, None)]
     else:
         plan = []
         for item in args.plan.split(","):
             name, dt, b = item.split(":")
-            plan.append((name, {"bf16": bf16, "fp32": fp32}[dt], int(b), nums, True, False))
+            plan.append((name, {"bf16": bf16, "fp32": fp32}[dt], int(b), nums, True, False, None))
     rows = []
     t0 = time.time()
-    for preset, dt, B, numerics, agree, sample in plan:
+    for preset, dt, B, numerics, agree, sample, std in plan:
         try:
-            rows += run_case(preset, dt, B, P, T, args, numerics, agree, sample)
+            rows += run_case(preset, dt, B, P, T, args, numerics, agree, sample, std)
         except Exception as exc:
             traceback.print_exc()
             rows.append(dict(preset=preset, dtype=str(dt), batch=B, numerics="-", hf_tok_s=0,

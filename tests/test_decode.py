@@ -245,7 +245,11 @@ def test_triton_kernels_match_reference():
             ref = dt.add_norm_ref(y, r, w, None if rms else b, 1e-5, rms)
             for a, e in zip(got, ref):
                 torch.testing.assert_close(a.float(), e.float(), atol=tol, rtol=tol)
-        for B, Hkv, G, D, L, Hb in [(16, 16, 1, 64, 512, 16), (4, 8, 4, 128, 320, 1)]:
+        y = torch.randn(16, 4096, device="cuda", generator=g).to(dtype) * 3
+        same = (dt.hf_gelu(y) == dt.hf_gelu_ref(y)).float().mean().item()
+        assert same > 0.999, f"HF-order GELU kernel matches HF's eager ops on {same:.4%}"
+        for B, Hkv, G, D, L, Hb in [(16, 16, 1, 64, 512, 16), (4, 8, 4, 128, 320, 1),
+                                     (16, 32, 1, 128, 512, 32)]:
             kv = torch.randn(B, Hkv, L, 2, D, device="cuda", generator=g).to(dtype)
             q = torch.randn(B, Hkv, G + 1, D, device="cuda", generator=g).to(dtype)[:, :, :G]
             kb = torch.randn(B, Hb, L, device="cuda", generator=g).to(dtype)

@@ -3,6 +3,8 @@
 Only imported on CUDA when Triton is importable; every kernel here has a PyTorch
 reference (`*_ref`) with the same rounding points, used on CPU and in tests. Kernels:
 
+- `hf_gelu`: Bloom's tanh-GELU with every intermediate rounded to the tensor dtype in
+  HF's op order (one kernel instead of HF's nine), so bf16 results match HF's eager ones;
 - `add_norm`: residual add fused with the next LayerNorm / RMSNorm, returning both the
   new residual stream and the normalised activations (one kernel instead of two or
   three per norm in the decode step, where each kernel is a few microseconds of launch
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 try:                                   # pragma: no cover - exercised on GPU machines
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except Exception:                      # no Triton here: callers use the references
     triton = None
 
@@ -30,6 +33,46 @@ def add_norm_ref(y, r, w, b, eps: float, rms: bool):
     if rms:
         return x, F.rms_norm(x, (x.shape[-1],), None, eps) * w
     return x, F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def hf_gelu_ref(y):
+    """HF's bloom_gelu_forward op by op (eager PyTorch rounds after every op)."""
+    return y * 0.5 * (1.0 + torch.tanh(0.79788456 * y * (1 + 0.044715 * y * y)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _hf_gelu_kernel(y_ptr, o_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(y_ptr + offs, mask=m, other=0.0)
+        dt = x.dtype
+        x = x.to(tl.float32)
+        a = (x * 0.5).to(dt).to(tl.float32)
+        b = (0.79788456 * x).to(dt).to(tl.float32)
+        c = (0.044715 * x).to(dt).to(tl.float32)
+        d = (c * x).to(dt).to(tl.float32)
+        e = (1.0 + d).to(dt).to(tl.float32)
+        f = (b * e).to(dt).to(tl.float32)
+        if LIBDEVICE:                 # tanhf, as PyTorch's CUDA tanh kernel
+            g = libdevice.tanh(f)
+        else:                         # Triton's CPU interpreter has no libdevice
+            g = 2.0 / (1.0 + tl.exp(-2.0 * f)) - 1.0
+        g = g.to(dt).to(tl.float32)
+        h = (1.0 + g).to(dt).to(tl.float32)
+        tl.store(o_ptr + offs, (a * h).to(dt), mask=m)
+
+
+def hf_gelu(y):
+    """`hf_gelu_ref` in one kernel (contiguous CUDA tensors; else the reference)."""
+    if triton is None or not y.is_contiguous() or (y.device.type != "cuda" and not _interpreting()):
+        return hf_gelu_ref(y)
+    out = torch.empty_like(y)
+    n = y.numel()
+    _hf_gelu_kernel[(triton.cdiv(n, 1024),)](y, out, n, BLOCK=1024, LIBDEVICE=not _interpreting(),
+                                             num_warps=4)
+    return out
 
 
 if triton is not None:
@@ -85,7 +128,7 @@ def _interpreting() -> bool:
 # ---------------------------------------------------------------------------- attention
 
 ATTN_SPLITS: "int | None" = None       # keys split across programs; None: chosen per shape
-ATTN_BLOCK_N = 64
+ATTN_BLOCK_N = 0                       # keys per inner step; 0: 128 for head_dim <= 64, else 64
 
 
 def decode_attention_ref(q, kv, key_bias, pos, scale: float):
@@ -107,7 +150,7 @@ if triton is not None:
 
     @triton.jit
     def _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale, skv_l, gmask, offs_d,
-                    D: tl.constexpr, BLOCK_N: tl.constexpr):
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr):
         """Online-softmax update with keys n0 .. n0+BLOCK_N (those < end)."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
@@ -115,7 +158,10 @@ if triton is not None:
                     mask=valid[:, None], other=0.0).to(tl.float32)
         v = tl.load(kv_base + offs_n[:, None] * skv_l + D + offs_d[None, :],
                     mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale              # [GP, BLOCK_N]
+        if GP == 1:                   # one query head per K/V head: plain 2-D GEMV math
+            s = tl.sum(k * tl.sum(q, axis=0)[None, :], axis=1)[None, :] * scale
+        else:
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale          # [GP, BLOCK_N]
         s += tl.load(b_base[:, None] + offs_n[None, :],
                      mask=gmask[:, None] & valid[None, :], other=0.0).to(tl.float32)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -123,7 +169,11 @@ if triton is not None:
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if GP == 1:
+            pv = tl.sum(tl.sum(p, axis=0)[:, None] * v, axis=0)[None, :]
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         return m_new, l_i, acc
 
     @triton.jit
@@ -154,12 +204,12 @@ if triton is not None:
             n0 = start
             while n0 < end:
                 m_i, l_i, acc = _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
-                                            skv_l, gmask, offs_d, D, BLOCK_N)
+                                            skv_l, gmask, offs_d, D, BLOCK_N, GP)
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
-                                            skv_l, gmask, offs_d, D, BLOCK_N)
+                                            skv_l, gmask, offs_d, D, BLOCK_N, GP)
         if SPLITS == 1:
             out = acc / l_i[:, None]
             o_ptr = out_ptr + b * (Hkv * G * D) + (h * G + offs_g[:, None]) * D + offs_d[None, :]
@@ -197,10 +247,14 @@ def _splits(B: int, Hkv: int, L: int, device) -> int:
         return ATTN_SPLITS
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     s = 1
-    # enough programs to fill the chip about twice, each with at least 2 key blocks
-    while B * Hkv * s < 2 * sms and L // (2 * s) >= 2 * ATTN_BLOCK_N and s < 16:
+    # enough programs to give every SM about four, each with at least one key block
+    while B * Hkv * s < 4 * sms and L // (2 * s) >= 64 and s < 16:
         s *= 2
     return s
+
+
+def _block_n(D: int) -> int:
+    return ATTN_BLOCK_N if ATTN_BLOCK_N else (128 if D <= 64 else 64)
 
 
 def decode_attention(q, kv, key_bias, pos, scale: float):
@@ -214,7 +268,8 @@ def decode_attention(q, kv, key_bias, pos, scale: float):
         return decode_attention_ref(q, kv, key_bias, pos, scale)
     GP = max(1, triton.next_power_of_2(G))
     S = _splits(B, Hkv, L, q.device)
-    chunk = triton.cdiv(triton.cdiv(L, S), ATTN_BLOCK_N) * ATTN_BLOCK_N
+    bn = _block_n(D)
+    chunk = triton.cdiv(triton.cdiv(L, S), bn) * bn
     out = torch.empty(B, Hkv * G * D, dtype=q.dtype, device=q.device)
     if S > 1:
         m = torch.empty(B * Hkv * S * GP, dtype=torch.float32, device=q.device)
@@ -226,8 +281,8 @@ def decode_attention(q, kv, key_bias, pos, scale: float):
     _attn_split_kernel[(B * Hkv, S)](
         q, kv, key_bias, pos, out, m, l, acc, Hkv, chunk, float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
-        key_bias.stride(0), sb_h, G=G, GP=GP, D=D, BLOCK_N=ATTN_BLOCK_N, SPLITS=S,
-        WHILE=_interpreting(), num_warps=4)
+        key_bias.stride(0), sb_h, G=G, GP=GP, D=D, BLOCK_N=bn, SPLITS=S,
+        WHILE=_interpreting(), num_warps=8 if bn * D * GP >= 8192 else 4)
     if S > 1:
         _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GP, D=D, SPLITS=S,
                                          num_warps=4)
