@@ -21,8 +21,29 @@ def make_loader(dataset: Dataset, batch_size: int, collate_fn=None, *, shuffle: 
     """
     sampler = DistributedSampler(dataset, num_replicas=world_size(), rank=rank(),
                                  shuffle=shuffle, seed=seed, drop_last=drop_last)
+    # Its own generator: starting an iterator then draws no number from the global torch
+    # RNG, so where an epoch's iterator starts does not shift dropout (exact resume).
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
-                      drop_last=drop_last)
+                      drop_last=drop_last, generator=torch.Generator().manual_seed(seed))
+
+
+def abandon_accumulation(engine) -> None:
+    """Drop an optimizer step that will not be taken (a micro-batch's loss was not finite):
+    forget the gradients its earlier micro-batches accumulated and rewind DeepSpeed's
+    micro-step counter, so the next micro-batch starts a fresh accumulation window.
+
+    Every rank calls it together, instead of that micro-batch's backward and step.
+    ZeRO optimizers restart accumulation on `zero_grad` (the next backward overwrites
+    their gradient partitions); without ZeRO the module's `.grad`s are dropped.
+    """
+    micro_batches_done = engine.micro_steps % engine.gradient_accumulation_steps()
+    if micro_batches_done == 0:
+        return
+    if engine.zero_optimization():
+        engine.optimizer.zero_grad(set_to_none=True)
+    else:
+        engine.zero_grad()
+    engine.micro_steps -= micro_batches_done
 
 
 def to_device(batch: dict, device) -> dict:

@@ -50,6 +50,10 @@ class PPOTrainer:
         self.scheduler = scheduler
         self.pad = tokenizer.pad_token_id
         self.eos = tokenizer.eos_token_id
+        # update_guard(name, loss, engine) -> bool, called on every rank before each
+        # backward; False skips that backward and step (step 3 sets it to skip non-finite
+        # losses identically on all ranks). None: always update.
+        self.update_guard = None
 
     # ------------------------------------------------------------------ experience
     @torch.no_grad()
@@ -113,14 +117,16 @@ class PPOTrainer:
                               **_positions(self.e.actor.module, exp.attention_mask)).logits
         logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(exp.seq, P))
         a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask, self.cfg.cliprange)
-        self.e.actor.backward(a_loss)
-        self.e.actor.step()
+        if self._may_update("actor_loss", a_loss, self.e.actor):
+            self.e.actor.backward(a_loss)
+            self.e.actor.step()
 
         values = self.e.critic.module.forward_value(exp.seq, exp.attention_mask, return_value_only=True)
         values = pm.answer_slice(values, P)
         c_loss, c_clip = pm.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.cfg.cliprange_value)
-        self.e.critic.backward(c_loss)
-        self.e.critic.step()
+        if self._may_update("critic_loss", c_loss, self.e.critic):
+            self.e.critic.backward(c_loss)
+            self.e.critic.step()
         return {"actor_loss": a_loss.detach(), "critic_loss": c_loss.detach(),
                 "actor_clip_frac": a_clip, "critic_clip_frac": c_clip}
 
@@ -130,9 +136,13 @@ class PPOTrainer:
                               use_cache=False).logits
         tokens = (batch["labels"][:, 1:] != -100).sum().clamp(min=1)
         loss = lm_loss_sum(logits, batch["labels"]) / tokens
-        self.e.actor.backward(self.cfg.unsup_coef * loss)
-        self.e.actor.step()
+        if self._may_update("unsup_loss", loss, self.e.actor):
+            self.e.actor.backward(self.cfg.unsup_coef * loss)
+            self.e.actor.step()
         return loss.detach()
+
+    def _may_update(self, name: str, loss: torch.Tensor, engine) -> bool:
+        return self.update_guard is None or self.update_guard(name, loss, engine)
 
     def after_actor_updates(self) -> None:
         """The actor's weights changed: the replica must be refilled; the EMA follows."""

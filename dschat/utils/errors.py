@@ -3,3 +3,8 @@
 
 class UserInputError(ValueError):
     """Bad flags, files or rows. The message names the flag, file or row at fault."""
+
+
+class TrainingHalted(RuntimeError):
+    """Training stopped on purpose (e.g. too many non-finite losses in a row); the message
+    says why and where the last good checkpoint is. Entry points exit 3."""

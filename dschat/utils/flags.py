@@ -1,12 +1,12 @@
 """DS-Chat's command-line flags (names and defaults kept), defined once per group.
 
 The library never parses argv: entry points build a parser from these groups, parse,
-then call `validate_*` which collects every problem and raises them together.
+then call `dschat.utils.validate.validate_step*`, which collects every problem and raises
+them together.
 """
 from __future__ import annotations
 
 import argparse
-import os
 
 from dschat.data.assets import BUNDLED_DATASET_NAME
 from dschat.utils.errors import UserInputError
@@ -96,6 +96,21 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb_project", type=str, default="dschat", help="wandb project name.")
 
 
+def add_checkpoint_args(parser: argparse.ArgumentParser, *, unit: str = "optimizer steps") -> None:
+    g = parser.add_argument_group("checkpoints and fault tolerance")
+    g.add_argument("--save_interval", type=int, default=0,
+                   help=f"Write a resumable checkpoint under --output_dir/checkpoints/ every this many "
+                        f"{unit} (0: none; the final model is written at the end either way).")
+    g.add_argument("--resume", action="store_true",
+                   help="Continue from the newest complete checkpoint under --output_dir/checkpoints/ "
+                        "(none there: start from scratch). Needs the same number of ranks.")
+    g.add_argument("--keep_last", type=int, default=2,
+                   help="Keep only the newest this many checkpoints (0: keep all).")
+    g.add_argument("--max_nonfinite_in_a_row", type=int, default=5,
+                   help="A non-finite loss (or reward) skips its update; this many in a row stop the "
+                        "run after checkpointing the last good state.")
+
+
 def split_fractions(data_split: str) -> list[float]:
     try:
         parts = [float(x) for x in data_split.split(",")]
@@ -104,50 +119,3 @@ def split_fractions(data_split: str) -> list[float]:
     if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
         raise UserInputError(f"--data_split {data_split!r}: expected three non-negative numbers like 2,4,4")
     return [p / sum(parts) for p in parts]
-
-
-def common_problems(args) -> list[str]:
-    """Problems shared by steps 1 and 2; every one is collected, none raised here."""
-    problems = []
-    try:
-        split_fractions(args.data_split)
-    except UserInputError as e:
-        problems.append(str(e))
-    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "max_seq_len",
-                 "gradient_accumulation_steps", "num_train_epochs"):
-        if getattr(args, flag) < 1:
-            problems.append(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.learning_rate <= 0:
-        problems.append(f"--learning_rate must be > 0, got {args.learning_rate}")
-    if args.dropout is not None and not 0 <= args.dropout < 1:
-        problems.append(f"--dropout must be in [0, 1), got {args.dropout}")
-    if args.offload and args.zero_stage == 0:
-        problems.append("--offload needs --zero_stage 1, 2 or 3 (ZeRO-Offload offloads ZeRO state)")
-    if args.lora_dim < 0:
-        problems.append(f"--lora_dim must be >= 0, got {args.lora_dim}")
-    if args.lora_dim == 0 and args.only_optimize_lora:
-        problems.append("--only_optimize_lora needs --lora_dim > 0")
-    if args.lora_dim == 0 and args.lora_module_name:
-        problems.append("--lora_module_name needs --lora_dim > 0")
-    if args.only_optimize_lora and args.gradient_checkpointing:
-        problems.append("--only_optimize_lora and --gradient_checkpointing cannot be combined "
-                        "(no input requires grad, as upstream)")
-    if args.output_dir is None:
-        problems.append("--output_dir is required")
-    path = args.model_name_or_path
-    if path and _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
-        problems.append(f"--model_name_or_path {path}: no such file or folder")
-    for p in list(args.data_path) + list(args.sft_only_data_path):
-        if _looks_local(p) and not os.path.exists(os.path.expanduser(p)):
-            problems.append(f"--data_path {p}: no such file or folder")
-    return problems
-
-
-def _looks_local(path: str) -> bool:
-    """A path the user meant as local (hub names look like `org/name`)."""
-    return path.startswith((".", "/", "~")) or path.endswith((".json", ".jsonl", ".csv", ".parquet", ".gz"))
-
-
-def raise_problems(problems: list[str]) -> None:
-    if problems:
-        raise UserInputError("invalid flags:\n  - " + "\n  - ".join(problems))

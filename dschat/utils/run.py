@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dschat.utils.errors import UserInputError
+from dschat.utils.errors import TrainingHalted, UserInputError
 
 
 def set_seed(seed: int) -> None:
@@ -41,9 +41,13 @@ def resolve_under(output_dir: str, path: str) -> str:
 
 
 def main_guard(main):
-    """Run `main`, turning bad user input into one line on stderr and exit code 2."""
+    """Run `main`: bad user input becomes one line on stderr and exit code 2; a run that
+    halted on purpose (`TrainingHalted`) prints its reason and exits 3."""
     try:
         return main()
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except TrainingHalted as e:
+        print(f"halted: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)

@@ -7,9 +7,11 @@
 
 The final model is written at the root of --output_dir (HF format), so step 2 and step 3
 take that folder as their model path; metrics.jsonl and the resolved configuration sit
-beside it.
+beside it. `--save_interval N` writes resumable checkpoints under --output_dir/checkpoints/;
+`--resume` continues from the newest complete one.
 """
 import argparse
+import json
 import math
 import time
 
@@ -20,14 +22,16 @@ from dschat.data import create_prompt_dataset
 from dschat.engine.config import train_ds_config
 from dschat.engine.distributed import all_reduce_sum, init_distributed, peak_memory_gib, rank
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
-from dschat.engine.train_utils import (evaluate_lm, lm_loss_sum, make_loader, micro_batch_groups,
-                                       to_device, token_count)
+from dschat.engine.train_utils import (abandon_accumulation, evaluate_lm, lm_loss_sum, make_loader,
+                                       micro_batch_groups, to_device, token_count)
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import create_hf_model, load_tokenizer, save_hf_format
 from dschat.utils import flags
+from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import MetricsLogger
 from dschat.utils.run import main_guard, resolve_under, resolved_config, save_json, set_seed
+from dschat.utils.validate import validate_step1
 
 
 def parse_args(argv=None):
@@ -36,11 +40,8 @@ def parse_args(argv=None):
     flags.add_model_train_args(parser, learning_rate=1e-3)
     flags.add_lora_args(parser)
     flags.add_logging_args(parser)
+    flags.add_checkpoint_args(parser)
     return parser.parse_args(argv)
-
-
-def validate(args) -> None:
-    flags.raise_problems(flags.common_problems(args))
 
 
 def build_engine(args, tokenizer, ds_config, num_update_steps):
@@ -61,22 +62,27 @@ def build_engine(args, tokenizer, ds_config, num_update_steps):
     return engine
 
 
-def train_step(engine, group, device, accumulation: int, world: int) -> float:
+def train_step(engine, group, device, accumulation: int, world: int, guard: NonFiniteGuard,
+               step: int) -> float | None:
     """One optimizer step over `group` micro-batches, loss weighted by global token count.
 
     Each micro-batch's summed loss is scaled so that, after DeepSpeed averages gradients
     over ranks and accumulation steps, the update is the mean over every loss token of
     the global batch; a step's loss then does not depend on how it was split into
-    micro-batches and ranks.
+    micro-batches and ranks. A non-finite loss on any rank skips the whole update on
+    every rank (None is returned).
     """
     tokens = all_reduce_sum(token_count(group)).item()
     scale = world * accumulation / max(tokens, 1.0)  # DeepSpeed divides by both
     total = torch.zeros((), device=device)
-    for batch in group:
+    for i, batch in enumerate(group):
         batch = to_device(batch, device)
         logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                         use_cache=False).logits
         loss_sum = lm_loss_sum(logits, batch["labels"])
+        if not guard.ok("loss", step, loss_sum, micro=i):
+            abandon_accumulation(engine)
+            return None
         engine.backward(loss_sum * scale)
         engine.step()
         total += loss_sum.detach()
@@ -85,7 +91,7 @@ def train_step(engine, group, device, accumulation: int, world: int) -> float:
 
 def main(argv=None):
     args = parse_args(argv)
-    validate(args)
+    validate_step1(args)
     device = init_distributed(args.local_rank)
     world = torch.distributed.get_world_size()
     set_seed(args.seed)
@@ -110,40 +116,69 @@ def main(argv=None):
     engine = build_engine(args, tokenizer, ds_config, total_steps)
     run_config = resolved_config(args, ds_config=ds_config, world_size=world,
                                  train_rows=len(train_data), eval_rows=len(eval_data))
-    print_rank_0(f"resolved configuration: {run_config}")
+    print_rank_0("resolved configuration:\n" + json.dumps(run_config, indent=1, sort_keys=True, default=str))
+
+    ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last, engines={"model": engine})
+    guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
+    step, start_epoch, batches_done = 0, 0, 0
+    resumed = None
+    if (path := ckpt.find(args.resume)) is not None:
+        resumed = ckpt.load(path, run_config)
+        step = resumed.step
+        start_epoch, batches_done = resumed.state["epoch"], resumed.state["batches_in_epoch"]
+        guard.load_state(resumed.state["nonfinite"])
     metrics = MetricsLogger(args.output_dir, enable_tensorboard=args.enable_tensorboard,
                             tensorboard_path=resolve_under(args.output_dir, args.tensorboard_path),
                             enable_wandb=args.enable_wandb, wandb_project=args.wandb_project,
                             config=run_config)
 
-    result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
-    print_rank_0(f"before training: eval loss {result['loss']:.4f}, perplexity {result['ppl']:.3f}")
-    metrics.log(0, {"eval/loss": result["loss"], "eval/ppl": result["ppl"]})
+    if resumed is None:
+        result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
+        print_rank_0(f"before training: eval loss {result['loss']:.4f}, perplexity {result['ppl']:.3f}")
+        metrics.log(0, {"eval/loss": result["loss"], "eval/ppl": result["ppl"]})
 
-    step = 0
-    progress = tqdm(total=total_steps, desc="step 1 (SFT)", disable=rank() != 0)
-    for epoch in range(args.num_train_epochs):
+    def save():
+        return ckpt.save(step, {"epoch": epoch, "batches_in_epoch": batches_done,
+                                "nonfinite": guard.state(), "config": run_config})
+
+    result = None
+    progress = tqdm(total=total_steps, initial=step, desc="step 1 (SFT)", disable=rank() != 0)
+    for epoch in range(start_epoch, args.num_train_epochs):
+        if step >= total_steps:
+            break
         train_loader.sampler.set_epoch(epoch)
-        for group in micro_batch_groups(train_loader, args.gradient_accumulation_steps):
+        batches_done = batches_done if epoch == start_epoch else 0
+        groups = micro_batch_groups(skip_batches(train_loader, batches_done), args.gradient_accumulation_steps)
+        ckpt.restore_rng(resumed)  # once, where the interrupted run stood
+        for group in groups:
             if step >= total_steps:
                 break
             start = time.time()
-            loss = train_step(engine, group, device, args.gradient_accumulation_steps, world)
+            loss = train_step(engine, group, device, args.gradient_accumulation_steps, world, guard, step + 1)
             step += 1
+            batches_done += len(group)
             progress.update(1)
-            progress.set_postfix(loss=f"{loss:.4f}")
-            if args.print_loss:
-                print_rank_0(f"epoch {epoch} step {step} loss {loss:.6f}")
-            metrics.log(step, {"train/loss": loss, "train/lr": engine.get_lr()[0],
-                               "train/epoch": epoch, "time/step_s": time.time() - start,
-                               "memory/peak_gib": peak_memory_gib(device)})
+            record = {"train/lr": engine.get_lr()[0], "train/epoch": epoch, "time/step_s": time.time() - start,
+                      "memory/peak_gib": peak_memory_gib(device), "train/skipped_nonfinite": guard.skipped}
+            if loss is not None:
+                record["train/loss"] = loss
+                progress.set_postfix(loss=f"{loss:.4f}")
+                if args.print_loss:
+                    print_rank_0(f"epoch {epoch} step {step} loss {loss:.6f}")
+            metrics.log(step, record)
             if args.eval_interval and step % args.eval_interval == 0:
                 result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
                 metrics.log(step, {"eval/loss": result["loss"], "eval/ppl": result["ppl"]})
+            fault_point("step", step)
+            if ckpt.due(step):
+                save()
+            guard.check_halt(step, save)
         result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
         print_rank_0(f"epoch {epoch}: eval loss {result['loss']:.4f}, perplexity {result['ppl']:.3f}")
         metrics.log(step, {"eval/loss": result["loss"], "eval/ppl": result["ppl"], "train/epoch": epoch})
     progress.close()
+    if result is None:  # resumed from the last step: nothing left to train
+        result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
 
     save_hf_format(engine.module, tokenizer, args.output_dir, rank=rank())
     if rank() == 0:

@@ -7,9 +7,11 @@
 
 The reward model is written at the root of --output_dir (config, model.safetensors with
 `rwtransformer.*` + `v_head.weight`, tokenizer, reward_model.json); step 3 takes that
-folder as --critic_model_name_or_path.
+folder as --critic_model_name_or_path. `--save_interval N` writes resumable checkpoints under
+--output_dir/checkpoints/; `--resume` continues from the newest complete one.
 """
 import argparse
+import json
 import time
 
 import torch
@@ -19,14 +21,16 @@ from dschat.data import DataCollatorReward, create_prompt_dataset
 from dschat.engine.config import train_ds_config
 from dschat.engine.distributed import all_reduce_sum, init_distributed, peak_memory_gib, rank
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
-from dschat.engine.train_utils import make_loader, micro_batch_groups, to_device
+from dschat.engine.train_utils import abandon_accumulation, make_loader, micro_batch_groups, to_device
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import load_tokenizer
 from dschat.models.reward_model import create_reward_model, save_reward_model
 from dschat.utils import flags
+from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import MetricsLogger
 from dschat.utils.run import main_guard, resolve_under, resolved_config, save_json, set_seed
+from dschat.utils.validate import validate_step2
 
 
 def parse_args(argv=None):
@@ -35,6 +39,7 @@ def parse_args(argv=None):
     flags.add_model_train_args(parser, learning_rate=5e-5)
     flags.add_lora_args(parser)
     flags.add_logging_args(parser)
+    flags.add_checkpoint_args(parser)
     parser.add_argument("--num_padding_at_beginning", type=int, default=None,
                         help="DS-Chat's pad-count convention for finding sequence ends when no "
                              "attention mask is given (default: the model family's, e.g. 1 for OPT). "
@@ -61,6 +66,22 @@ def build_engine(args, tokenizer, ds_config, num_update_steps):
     return engine
 
 
+def train_step(engine, group, device, world: int, guard: NonFiniteGuard, step: int) -> float | None:
+    """One optimizer step over `group` micro-batches; the mean pair loss over ranks.
+    A non-finite loss on any rank skips the whole update on every rank (None)."""
+    loss = torch.zeros((), device=device)
+    for i, batch in enumerate(group):
+        batch = to_device(batch, device)
+        out = engine(batch["input_ids"], batch["attention_mask"])
+        if not guard.ok("loss", step, out["loss"], micro=i):
+            abandon_accumulation(engine)
+            return None
+        engine.backward(out["loss"])
+        engine.step()
+        loss += out["loss"].detach().float() / len(group)
+    return (all_reduce_sum(loss) / world).item()
+
+
 @torch.no_grad()
 def evaluate(engine, loader, device, max_batches: int) -> dict:
     """Accuracy (chosen score > rejected score) and mean scores over all ranks."""
@@ -83,7 +104,7 @@ def evaluate(engine, loader, device, max_batches: int) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    flags.raise_problems(flags.common_problems(args))
+    validate_step2(args)
     device = init_distributed(args.local_rank)
     world = torch.distributed.get_world_size()
     set_seed(args.seed)
@@ -107,7 +128,17 @@ def main(argv=None):
     engine = build_engine(args, tokenizer, ds_config, total_steps)
     run_config = resolved_config(args, ds_config=ds_config, world_size=world,
                                  train_pairs=len(train_data), eval_pairs=len(eval_data))
-    print_rank_0(f"resolved configuration: {run_config}")
+    print_rank_0("resolved configuration:\n" + json.dumps(run_config, indent=1, sort_keys=True, default=str))
+
+    ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last, engines={"model": engine})
+    guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
+    step, start_epoch, batches_done = 0, 0, 0
+    resumed = None
+    if (path := ckpt.find(args.resume)) is not None:
+        resumed = ckpt.load(path, run_config)
+        step = resumed.step
+        start_epoch, batches_done = resumed.state["epoch"], resumed.state["batches_in_epoch"]
+        guard.load_state(resumed.state["nonfinite"])
     metrics = MetricsLogger(args.output_dir, enable_tensorboard=args.enable_tensorboard,
                             tensorboard_path=resolve_under(args.output_dir, args.tensorboard_path),
                             enable_wandb=args.enable_wandb, wandb_project=args.wandb_project,
@@ -120,34 +151,45 @@ def main(argv=None):
         metrics.log(step, {f"eval/{k}": v for k, v in result.items()})
         return result
 
-    result = run_eval(0)
-    step = 0
-    progress = tqdm(total=total_steps, desc="step 2 (reward model)", disable=rank() != 0)
-    for epoch in range(args.num_train_epochs):
+    def save():
+        return ckpt.save(step, {"epoch": epoch, "batches_in_epoch": batches_done,
+                                "nonfinite": guard.state(), "config": run_config})
+
+    result = run_eval(0) if resumed is None else None
+    progress = tqdm(total=total_steps, initial=step, desc="step 2 (reward model)", disable=rank() != 0)
+    for epoch in range(start_epoch, args.num_train_epochs):
+        if step >= total_steps:
+            break
         train_loader.sampler.set_epoch(epoch)
-        for group in micro_batch_groups(train_loader, args.gradient_accumulation_steps):
+        batches_done = batches_done if epoch == start_epoch else 0
+        groups = micro_batch_groups(skip_batches(train_loader, batches_done), args.gradient_accumulation_steps)
+        ckpt.restore_rng(resumed)  # once, where the interrupted run stood
+        for group in groups:
             if step >= total_steps:
                 break
             start = time.time()
-            loss = torch.zeros((), device=device)
-            for batch in group:
-                batch = to_device(batch, device)
-                out = engine(batch["input_ids"], batch["attention_mask"])
-                engine.backward(out["loss"])
-                engine.step()
-                loss += out["loss"].detach().float() / len(group)
-            loss = (all_reduce_sum(loss) / world).item()
+            loss = train_step(engine, group, device, world, guard, step + 1)
             step += 1
+            batches_done += len(group)
             progress.update(1)
-            progress.set_postfix(loss=f"{loss:.4f}")
-            if args.print_loss:
-                print_rank_0(f"epoch {epoch} step {step} loss {loss:.6f}")
-            metrics.log(step, {"train/loss": loss, "train/lr": engine.get_lr()[0], "train/epoch": epoch,
-                               "time/step_s": time.time() - start, "memory/peak_gib": peak_memory_gib(device)})
+            record = {"train/lr": engine.get_lr()[0], "train/epoch": epoch, "time/step_s": time.time() - start,
+                      "memory/peak_gib": peak_memory_gib(device), "train/skipped_nonfinite": guard.skipped}
+            if loss is not None:
+                record["train/loss"] = loss
+                progress.set_postfix(loss=f"{loss:.4f}")
+                if args.print_loss:
+                    print_rank_0(f"epoch {epoch} step {step} loss {loss:.6f}")
+            metrics.log(step, record)
             if args.eval_interval and step % args.eval_interval == 0:
                 result = run_eval(step)
+            fault_point("step", step)
+            if ckpt.due(step):
+                save()
+            guard.check_halt(step, save)
         result = run_eval(step)
     progress.close()
+    if result is None:  # resumed from the last step: nothing left to train
+        result = run_eval(step)
 
     save_reward_model(engine.module, tokenizer, args.output_dir, rank=rank())
     if rank() == 0:

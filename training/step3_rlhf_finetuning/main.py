@@ -11,12 +11,15 @@ DeepSpeed's `hybrid_engine` block: the actor's ZeRO-3 shards are gathered once p
 rollout into a persistent inference replica by the shared gather scheduler, generation
 runs on the replica, and training goes on with ZeRO's own hooks. Writes actor/, critic/
 (and actor_ema/) under --output_dir, with metrics.jsonl and the resolved configuration.
+`--save_interval N` (PPO steps) writes resumable checkpoints under --output_dir/checkpoints/
+(actor, critic, EMA, data position, RNGs incl. the sampling generator); `--resume` continues
+from the newest complete one.
 """
 import argparse
 import json
 import os
 import time
-from itertools import cycle
+from itertools import chain, cycle
 
 import torch
 from tqdm import tqdm
@@ -24,15 +27,17 @@ from tqdm import tqdm
 from dschat.data import DataCollatorRLHF, create_prompt_dataset, create_unsupervised_dataset
 from dschat.engine.gather import get_scheduler
 from dschat.engine.distributed import all_reduce_mean, init_distributed, peak_memory_gib, rank
-from dschat.engine.train_utils import make_loader, to_device
+from dschat.engine.train_utils import abandon_accumulation, make_loader, to_device
 from dschat.models.model_utils import load_tokenizer, save_hf_format
-from dschat.models.reward_model import is_reward_checkpoint, save_reward_model
+from dschat.models.reward_model import save_reward_model
 from dschat.rlhf.engine import build_rlhf_engines
 from dschat.rlhf.trainer import PPOConfig, PPOTrainer
 from dschat.utils import flags
+from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import MetricsLogger
 from dschat.utils.run import main_guard, resolve_under, resolved_config, save_json, set_seed
+from dschat.utils.validate import raise_problems, validate_step3
 
 
 def parse_args(argv=None):
@@ -129,52 +134,8 @@ def parse_args(argv=None):
     g.add_argument("--test_stop_step", type=int, default=0, help="Steps to run in test mode.")
     g.add_argument("--max_steps", type=int, default=0, help="Stop after this many PPO steps (0: all).")
     flags.add_logging_args(p)
+    flags.add_checkpoint_args(p, unit="PPO steps")
     return p.parse_args(argv)
-
-
-def problems(args) -> list[str]:
-    """Every flag problem of step 3, found before any process group or model exists."""
-    out = []
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.inference_tp_size < 1 or world % args.inference_tp_size:
-        out.append(f"--inference_tp_size {args.inference_tp_size} does not divide world size {world}")
-    elif args.inference_tp_size > 1:
-        out.append(f"--inference_tp_size {args.inference_tp_size}: tensor-parallel generation is not "
-                   "implemented yet; use 1 (each rank generates on its own replica)")
-    if args.enable_mixed_precision_lora and not (args.actor_lora_dim > 0 and args.actor_zero_stage == 3):
-        out.append("--enable_mixed_precision_lora needs --actor_lora_dim > 0 and --actor_zero_stage 3")
-    if args.only_optimize_lora and args.actor_lora_dim == 0 and args.critic_lora_dim == 0:
-        out.append("--only_optimize_lora needs --actor_lora_dim or --critic_lora_dim > 0")
-    if args.unpin_actor_parameters and not args.enable_hybrid_engine:
-        out.append("--unpin_actor_parameters needs --enable_hybrid_engine")
-    if args.release_inference_cache and not args.enable_hybrid_engine:
-        out.append("--release_inference_cache needs --enable_hybrid_engine")
-    gen_rows = args.per_device_generation_batch_size * args.generation_batches
-    if gen_rows % args.per_device_training_batch_size:
-        out.append(f"--per_device_generation_batch_size x --generation_batches ({gen_rows}) must be a "
-                   f"multiple of --per_device_training_batch_size ({args.per_device_training_batch_size})")
-    for flag in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches",
-                 "ppo_epochs", "max_prompt_seq_len", "max_answer_seq_len", "num_train_epochs",
-                 "gradient_accumulation_steps"):
-        if getattr(args, flag) < 1:
-            out.append(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.offload and args.actor_zero_stage == 0 and args.critic_zero_stage == 0:
-        out.append("--offload needs --actor_zero_stage or --critic_zero_stage >= 1")
-    if args.output_dir is None:
-        out.append("--output_dir is required")
-    if not os.path.exists(args.actor_model_name_or_path) and args.actor_model_name_or_path.startswith((".", "/")):
-        out.append(f"--actor_model_name_or_path {args.actor_model_name_or_path}: no such file or folder")
-    critic = args.critic_model_name_or_path
-    if not os.path.isdir(critic):
-        out.append(f"--critic_model_name_or_path {critic}: no such folder (pass the step-2 output folder)")
-    elif not is_reward_checkpoint(critic):
-        out.append(f"--critic_model_name_or_path {critic} is not a reward model (no reward_model.json "
-                   "and no DS-Chat v_head weights); pass the step-2 output folder")
-    try:
-        flags.split_fractions(args.data_split)
-    except Exception as e:  # noqa: BLE001 - collected, reported together
-        out.append(str(e))
-    return out
 
 
 def ppo_config(args) -> PPOConfig:
@@ -207,9 +168,24 @@ def dump_generations(path, step, exp, tokenizer, this_rank):
     return rows
 
 
+def ppo_round(trainer, buffer, unsup_buffer, args) -> dict:
+    """--ppo_epochs passes of actor/critic (+ ptx) updates over the buffered experience;
+    the mean of each statistic over the round and the ranks."""
+    stats = []
+    for _ in range(args.ppo_epochs):
+        for exp_i, unsup in zip(buffer, unsup_buffer or [None] * len(buffer)):
+            for micro in exp_i.split(args.per_device_training_batch_size):
+                s = trainer.train_rlhf(micro)
+                if unsup is not None:
+                    s["unsup_loss"] = trainer.train_unsupervised(unsup)
+                trainer.after_actor_updates()
+                stats.append(s)
+    return {f"ppo/{key}": all_reduce_mean(torch.stack([s[key] for s in stats]).mean()).item() for key in stats[0]}
+
+
 def main(argv=None):
     args = parse_args(argv)
-    flags.raise_problems(problems(args))
+    validate_step3(args)
     device = init_distributed(args.local_rank)
     world = torch.distributed.get_world_size()
     set_seed(args.seed)
@@ -228,9 +204,9 @@ def main(argv=None):
                                                  args.data_output_path, args.seed, args.local_rank)
         unsup_loader = make_loader(unsup_data, args.per_device_generation_batch_size, shuffle=True, seed=args.seed)
     if len(prompt_loader) == 0:
-        flags.raise_problems([f"{len(prompt_data)} prompts fit --max_prompt_seq_len, fewer than one batch of "
-                              f"--per_device_generation_batch_size {args.per_device_generation_batch_size} "
-                              f"on each of {world} ranks"])
+        raise_problems([f"{len(prompt_data)} prompts fit --max_prompt_seq_len, fewer than one batch of "
+                        f"--per_device_generation_batch_size {args.per_device_generation_batch_size} "
+                        f"on each of {world} ranks"])
     steps_per_epoch = len(prompt_loader)
     total_steps = steps_per_epoch * args.num_train_epochs
     for cap in (args.max_steps, args.test_stop_step if args.enable_test_mode else 0):
@@ -245,66 +221,101 @@ def main(argv=None):
                                  critic_ds_config=engines.critic_ds_config, world_size=world,
                                  prompts=len(prompt_data))
     print_rank_0("resolved configuration:\n" + json.dumps(run_config, indent=1, sort_keys=True, default=str))
+
+    sampling_rng = getattr(engines.hybrid, "_generator", None)
+    ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last,
+                        engines={"actor": engines.actor, "critic": engines.critic},
+                        modules={"ema": engines.ema.module} if engines.ema is not None else {},
+                        generators={"hybrid": sampling_rng} if sampling_rng is not None else {})
+    guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
+    step, start_epoch, batches_done, unsup_done = 0, 0, 0, 0
+    resumed = None
+    if (path := ckpt.find(args.resume)) is not None:
+        resumed = ckpt.load(path, run_config)
+        engines.hybrid.mark_weights_updated()  # the replica must be refilled from the loaded shards
+        step = resumed.step
+        start_epoch, batches_done = resumed.state["epoch"], resumed.state["batches_in_epoch"]
+        unsup_done = resumed.state["unsup_in_epoch"]
+        guard.load_state(resumed.state["nonfinite"])
+
+    def update_guard(name, loss, engine) -> bool:
+        """Skip (on every rank) an actor/critic update whose loss is not finite anywhere."""
+        if guard.ok(name, step, loss):
+            return True
+        abandon_accumulation(engine)
+        return False
+
+    trainer.update_guard = update_guard
     metrics = MetricsLogger(args.output_dir, enable_tensorboard=args.enable_tensorboard,
                             tensorboard_path=resolve_under(args.output_dir, args.tensorboard_path),
                             enable_wandb=args.enable_wandb, wandb_project=args.wandb_project, config=run_config)
-    if args.dump_generations and rank() == 0:
+    if args.dump_generations and rank() == 0 and resumed is None:
         os.makedirs(os.path.dirname(os.path.abspath(args.dump_generations)), exist_ok=True)
         open(args.dump_generations, "w").close()
 
-    step = 0
+    def save():
+        return ckpt.save(step, {"epoch": epoch, "batches_in_epoch": batches_done, "unsup_in_epoch": unsup_done,
+                                "nonfinite": guard.state(), "config": run_config})
+
     buffer, unsup_buffer = [], []
-    progress = tqdm(total=total_steps, desc="step 3 (PPO)", disable=rank() != 0)
-    for epoch in range(args.num_train_epochs):
+    progress = tqdm(total=total_steps, initial=step, desc="step 3 (PPO)", disable=rank() != 0)
+    for epoch in range(start_epoch, args.num_train_epochs):
+        if step >= total_steps:
+            break
         prompt_loader.sampler.set_epoch(epoch)
-        unsup_iter = cycle(unsup_loader) if unsup_loader is not None else None
-        for batch in prompt_loader:
+        if epoch != start_epoch:
+            batches_done, unsup_done = 0, 0
+        unsup_iter = None
+        if unsup_loader is not None:  # the same order as an uninterrupted run: rest of a pass, then cycles
+            unsup_iter = chain(skip_batches(unsup_loader, unsup_done % len(unsup_loader)), cycle(unsup_loader)) \
+                if unsup_done % len(unsup_loader) else cycle(unsup_loader)
+        batches = skip_batches(prompt_loader, batches_done)
+        ckpt.restore_rng(resumed)  # once, where the interrupted run stood
+        for batch in batches:
             if step >= total_steps:
                 break
             step_start = time.time()
             batch = to_device(batch, device)
             exp, timings = trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"])
             step += 1
+            batches_done += 1
             progress.update(1)
             if exp is None:
                 print_rank_0(f"step {step}: a rank generated no answer longer than one token; batch skipped")
-                continue
-            buffer.append(exp)
-            if unsup_iter is not None:
-                unsup_buffer.append(to_device(next(unsup_iter), device))
-            record = {**PPOTrainer.experience_metrics(exp), **{f"time/{k}": v for k, v in timings.items()}}
-            if args.dump_generations:
-                dump_generations(args.dump_generations, step, exp, tokenizer, rank())
-            if args.print_answers and step % args.print_answers_interval == 0 and rank() == 0:
-                P = exp.prompt_width
-                print(f"--- step {step} prompt: {tokenizer.decode(exp.seq[0, :P], skip_special_tokens=True)!r}\n"
-                      f"    answer: {tokenizer.decode(exp.seq[0, P:], skip_special_tokens=True)!r}"
-                      f" reward {float(exp.rewards[0]):.3f}", flush=True)
-            if len(buffer) < args.generation_batches:
-                continue
-
-            train_start = time.time()
-            stats = []
-            for _ in range(args.ppo_epochs):
-                for exp_i, unsup in zip(buffer, unsup_buffer or [None] * len(buffer)):
-                    for micro in exp_i.split(args.per_device_training_batch_size):
-                        s = trainer.train_rlhf(micro)
-                        if unsup is not None:
-                            s["unsup_loss"] = trainer.train_unsupervised(unsup)
-                        trainer.after_actor_updates()
-                        stats.append(s)
-            buffer, unsup_buffer = [], []
-            for key in stats[0]:
-                record[f"ppo/{key}"] = all_reduce_mean(torch.stack([s[key] for s in stats]).mean()).item()
-            record["time/train_s"] = time.time() - train_start
-            record.update(engines.hybrid.pop_stats())
-            record.update(get_scheduler().pop_stats())
-            record["time/step_s"] = time.time() - step_start
-            record["memory/peak_gib"] = peak_memory_gib(device)
-            record["zero/params_left_gathered"] = trainer.params_left_gathered()
-            record["ppo/samples_per_s"] = exp.batch_size * world / record["time/step_s"]
-            metrics.log(step, record)
-            progress.set_postfix(reward=f"{record['ppo/reward_mean']:.3f}", kl=f"{record['ppo/kl']:.3f}")
+            elif not guard.ok("reward", step, exp.rewards, exp.values, exp.logprobs, exp.ref_logprobs):
+                metrics.log(step, {"train/skipped_nonfinite": guard.skipped})
+            else:
+                buffer.append(exp)
+                if unsup_iter is not None:
+                    unsup_buffer.append(to_device(next(unsup_iter), device))
+                    unsup_done += 1
+                record = {**PPOTrainer.experience_metrics(exp), **{f"time/{k}": v for k, v in timings.items()}}
+                if args.dump_generations:
+                    dump_generations(args.dump_generations, step, exp, tokenizer, rank())
+                if args.print_answers and step % args.print_answers_interval == 0 and rank() == 0:
+                    P = exp.prompt_width
+                    print(f"--- step {step} prompt: {tokenizer.decode(exp.seq[0, :P], skip_special_tokens=True)!r}\n"
+                          f"    answer: {tokenizer.decode(exp.seq[0, P:], skip_special_tokens=True)!r}"
+                          f" reward {float(exp.rewards[0]):.3f}", flush=True)
+                if len(buffer) >= args.generation_batches:
+                    train_start = time.time()
+                    record.update(ppo_round(trainer, buffer, unsup_buffer, args))
+                    buffer, unsup_buffer = [], []
+                    record["time/train_s"] = time.time() - train_start
+                    record.update(engines.hybrid.pop_stats())
+                    record.update(get_scheduler().pop_stats())
+                    record["time/step_s"] = time.time() - step_start
+                    record["memory/peak_gib"] = peak_memory_gib(device)
+                    record["zero/params_left_gathered"] = trainer.params_left_gathered()
+                    record["ppo/samples_per_s"] = exp.batch_size * world / record["time/step_s"]
+                    record["train/skipped_nonfinite"] = guard.skipped
+                    metrics.log(step, record)
+                    progress.set_postfix(reward=f"{record['ppo/reward_mean']:.3f}", kl=f"{record['ppo/kl']:.3f}")
+            if not buffer:  # checkpoints only between PPO rounds: the experience buffer is not saved
+                fault_point("step", step)
+                if ckpt.due(step):
+                    save()
+                guard.check_halt(step, save)
     progress.close()
 
     save_hf_format(engines.actor.module, tokenizer, os.path.join(args.output_dir, "actor"), rank=rank())

@@ -1,0 +1,215 @@
+"""Flag validation of the three steps: every problem collected, reported together.
+
+`step1_problems`, `step2_problems`, `step3_problems` look only at the parsed flags, the
+environment (WORLD_SIZE, set by the launcher) and the file system, so entry points call
+`validate_step*` before any process group, model or output file exists.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dschat.utils.errors import UserInputError
+from dschat.utils.flags import split_fractions
+
+
+def raise_problems(problems: list[str]) -> None:
+    """One UserInputError listing every problem (nothing when the list is empty)."""
+    if problems:
+        raise UserInputError("invalid flags:\n  - " + "\n  - ".join(problems))
+
+
+def launch_world_size() -> int:
+    """The world size the launcher announced (1 for a plain `python main.py`)."""
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
+def looks_local(path: str) -> bool:
+    """A path the user meant as local (hub names look like `org/name`)."""
+    return path.startswith((".", "/", "~")) or path.endswith((".json", ".jsonl", ".csv", ".parquet", ".gz"))
+
+
+def _missing_local(path: str | None) -> bool:
+    return bool(path) and looks_local(path) and not os.path.exists(os.path.expanduser(path))
+
+
+def _same_path(a: str | Path, b: str | Path) -> bool:
+    try:
+        return Path(os.path.expanduser(str(a))).resolve() == Path(os.path.expanduser(str(b))).resolve()
+    except OSError:
+        return False
+
+
+def _at_least(args, flags: tuple[str, ...], minimum: int) -> list[str]:
+    return [f"--{f} must be >= {minimum}, got {getattr(args, f)}" for f in flags if getattr(args, f) < minimum]
+
+
+def _data_split(args) -> list[str]:
+    try:
+        split_fractions(args.data_split)
+    except UserInputError as e:
+        return [str(e)]
+    return []
+
+
+def _data_paths(args) -> list[str]:
+    return [f"--{flag} {p}: no such file or folder"
+            for flag in ("data_path", "sft_only_data_path")
+            for p in list(getattr(args, flag, None) or []) if _missing_local(p)]
+
+
+def checkpoint_problems(args) -> list[str]:
+    """--save_interval / --keep_last / --max_nonfinite_in_a_row (every step)."""
+    out = _at_least(args, ("save_interval", "keep_last"), 0)
+    out += _at_least(args, ("max_nonfinite_in_a_row",), 1)
+    return out
+
+
+def _dropout(flag: str, value) -> list[str]:
+    if value is not None and not 0 <= value < 1:
+        return [f"--{flag} must be in [0, 1), got {value}"]
+    return []
+
+
+def _lora(prefix: str, dim: int, module_name) -> list[str]:
+    out = []
+    if dim < 0:
+        out.append(f"--{prefix}lora_dim must be >= 0, got {dim}")
+    if dim == 0 and module_name:
+        out.append(f"--{prefix}lora_module_name needs --{prefix}lora_dim > 0")
+    return out
+
+
+def sft_problems(args) -> list[str]:
+    """Problems shared by steps 1 and 2."""
+    out = _data_split(args)
+    out += _at_least(args, ("per_device_train_batch_size", "per_device_eval_batch_size", "max_seq_len",
+                            "gradient_accumulation_steps", "num_train_epochs", "eval_iters"), 1)
+    out += _at_least(args, ("num_warmup_steps", "max_steps", "eval_interval"), 0)
+    if args.learning_rate <= 0:
+        out.append(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if args.weight_decay < 0:
+        out.append(f"--weight_decay must be >= 0, got {args.weight_decay}")
+    out += _dropout("dropout", args.dropout)
+    if args.offload and args.zero_stage == 0:
+        out.append("--offload needs --zero_stage 1, 2 or 3 (ZeRO-Offload offloads ZeRO state)")
+    out += _lora("", args.lora_dim, args.lora_module_name)
+    if args.lora_dim == 0 and args.only_optimize_lora:
+        out.append("--only_optimize_lora needs --lora_dim > 0")
+    if args.only_optimize_lora and args.gradient_checkpointing:
+        out.append("--only_optimize_lora and --gradient_checkpointing cannot be combined "
+                   "(no input requires grad, as upstream)")
+    if args.output_dir is None:
+        out.append("--output_dir is required")
+    elif args.model_name_or_path and _same_path(args.output_dir, args.model_name_or_path):
+        out.append(f"--output_dir {args.output_dir} is --model_name_or_path: the run would overwrite "
+                   "its own input model; pick another --output_dir")
+    if _missing_local(args.model_name_or_path):
+        out.append(f"--model_name_or_path {args.model_name_or_path}: no such file or folder")
+    out += _data_paths(args)
+    out += checkpoint_problems(args)
+    return out
+
+
+def step1_problems(args) -> list[str]:
+    return sft_problems(args)
+
+
+def step2_problems(args) -> list[str]:
+    out = sft_problems(args)
+    if args.num_padding_at_beginning is not None and args.num_padding_at_beginning < 0:
+        out.append(f"--num_padding_at_beginning must be >= 0, got {args.num_padding_at_beginning}")
+    return out
+
+
+def step3_problems(args) -> list[str]:
+    """Every flag problem of step 3."""
+    from dschat.models.reward_model import is_reward_checkpoint
+
+    out = []
+    world = launch_world_size()
+    if args.inference_tp_size < 1 or world % args.inference_tp_size:
+        out.append(f"--inference_tp_size {args.inference_tp_size} does not divide world size {world}")
+    elif args.inference_tp_size > 1:
+        out.append(f"--inference_tp_size {args.inference_tp_size}: tensor-parallel generation is not "
+                   "implemented yet; use 1 (each rank generates on its own replica)")
+    out += _at_least(args, ("per_device_generation_batch_size", "per_device_training_batch_size",
+                            "generation_batches", "ppo_epochs", "max_prompt_seq_len", "max_answer_seq_len",
+                            "num_train_epochs", "gradient_accumulation_steps", "print_answers_interval",
+                            "tp_gather_partition_size"), 1)
+    out += _at_least(args, ("num_warmup_steps", "max_steps", "min_answer_seq_len", "test_stop_step"), 0)
+    gen_rows = args.per_device_generation_batch_size * args.generation_batches
+    if args.per_device_training_batch_size >= 1 and gen_rows % args.per_device_training_batch_size:
+        out.append(f"--per_device_generation_batch_size x --generation_batches ({gen_rows}) must be a "
+                   f"multiple of --per_device_training_batch_size ({args.per_device_training_batch_size})")
+    if args.min_answer_seq_len > args.max_answer_seq_len:
+        out.append(f"--min_answer_seq_len {args.min_answer_seq_len} exceeds --max_answer_seq_len "
+                   f"{args.max_answer_seq_len}")
+    for flag in ("actor_learning_rate", "critic_learning_rate"):
+        if getattr(args, flag) <= 0:
+            out.append(f"--{flag} must be > 0, got {getattr(args, flag)}")
+    out += _dropout("actor_dropout", args.actor_dropout) + _dropout("critic_dropout", args.critic_dropout)
+    if args.temperature is not None and args.temperature <= 0:
+        out.append(f"--temperature must be > 0, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        out.append(f"--top_p must be in (0, 1], got {args.top_p}")
+    if args.top_k is not None and args.top_k < 0:
+        out.append(f"--top_k must be >= 0, got {args.top_k}")
+    # ZeRO stages and offload
+    if args.offload and args.actor_zero_stage == 0 and args.critic_zero_stage == 0:
+        out.append("--offload needs --actor_zero_stage or --critic_zero_stage >= 1")
+    if args.offload_reference_model and args.actor_zero_stage != 3:
+        out.append("--offload_reference_model needs --actor_zero_stage 3 (the reference model runs at "
+                   "ZeRO-3 only when the actor does; at stage 0 there is nothing to offload)")
+    if args.offload_reward_model and args.critic_zero_stage != 3:
+        out.append("--offload_reward_model needs --critic_zero_stage 3 (the reward model runs at "
+                   "ZeRO-3 only when the critic does)")
+    # LoRA
+    out += _lora("actor_", args.actor_lora_dim, args.actor_lora_module_name)
+    out += _lora("critic_", args.critic_lora_dim, args.critic_lora_module_name)
+    if args.enable_mixed_precision_lora and not (args.actor_lora_dim > 0 and args.actor_zero_stage == 3):
+        out.append("--enable_mixed_precision_lora needs --actor_lora_dim > 0 and --actor_zero_stage 3")
+    if args.only_optimize_lora and args.actor_lora_dim == 0 and args.critic_lora_dim == 0:
+        out.append("--only_optimize_lora needs --actor_lora_dim or --critic_lora_dim > 0")
+    # hybrid engine
+    if args.unpin_actor_parameters and not args.enable_hybrid_engine:
+        out.append("--unpin_actor_parameters needs --enable_hybrid_engine")
+    if args.release_inference_cache and not args.enable_hybrid_engine:
+        out.append("--release_inference_cache needs --enable_hybrid_engine")
+    # paths
+    actor, critic = args.actor_model_name_or_path, args.critic_model_name_or_path
+    if _missing_local(actor):
+        out.append(f"--actor_model_name_or_path {actor}: no such file or folder")
+    if not os.path.isdir(critic):
+        out.append(f"--critic_model_name_or_path {critic}: no such folder (pass the step-2 output folder)")
+    elif not is_reward_checkpoint(critic):
+        out.append(f"--critic_model_name_or_path {critic} is not a reward model (no reward_model.json "
+                   "and no DS-Chat v_head weights); pass the step-2 output folder")
+    if args.output_dir is None:
+        out.append("--output_dir is required")
+    else:
+        for sub, flag, path in (("actor", "actor_model_name_or_path", actor),
+                                ("critic", "critic_model_name_or_path", critic)):
+            if _same_path(Path(args.output_dir) / sub, path) or _same_path(args.output_dir, path):
+                out.append(f"--output_dir {args.output_dir} would overwrite --{flag} {path} "
+                           f"(the run writes {sub}/ there); pick another --output_dir")
+    if _missing_local(args.unsupervised_dataset_name):
+        out.append(f"--unsupervised_dataset_name {args.unsupervised_dataset_name}: no such file or folder")
+    out += _data_split(args) + _data_paths(args)
+    out += checkpoint_problems(args)
+    return out
+
+
+def validate_step1(args) -> None:
+    raise_problems(step1_problems(args))
+
+
+def validate_step2(args) -> None:
+    raise_problems(step2_problems(args))
+
+
+def validate_step3(args) -> None:
+    raise_problems(step3_problems(args))
