@@ -167,8 +167,25 @@ def hf_run(model, ids, mask, T, keep_logits):
 
 def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     _reset_peak()
-    numerics, *flags = numerics.split(":")         # e.g. fast, fast:sdpa, fast:sdpa:notriton, hf
+    # e.g. fast, fast:sdpa, fast:sdpa:notriton, fast:sdpa:cudnn, fast:triton:s8:bn64, hf
+    numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
+    dtr = decode.decode_triton
+    saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS)
+    for f in flags:
+        if f.startswith("s") and f[1:].isdigit():
+            dtr.ATTN_SPLITS = int(f[1:])
+        if f.startswith("bn") and f[2:].isdigit():
+            dtr.ATTN_BLOCK_N = int(f[2:])
+        if f == "cudnn":
+            decode.DECODE_SDPA_BACKENDS = None
+    try:
+        return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
+    finally:
+        dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS = saved
+
+
+def _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample):
     fg = decode.FastGenerator(model, max_prompt_len=ids.shape[1], max_new_tokens=T,
                               numerics=numerics, attn_impl=attn,
                               use_triton=False if "notriton" in flags else None)
@@ -346,6 +363,9 @@ def main():
         plan = [("tiny-bloom", fp32, 4, nums, True, True, None), ("tiny-bloom", fp32, 4, ["fast"], True, False, 0.5),
                 ("tiny-opt", fp32, 3, ["fast"], True, False, None),
                 ("tiny-llama", fp32, 2, ["fast"], True, False, None)]
+    elif args.plan == "tune":
+        plan = [("bloom-560m", bf16, 16, nums, True, True, None),
+                ("bloom-7b1", bf16, 16, nums, True, True, None)]
     elif args.plan == "quick":
         plan = [("bloom-560m", bf16, 16, nums, True, True, None)]
     else:

@@ -49,6 +49,10 @@ logger = get_logger(__name__)
 
 _BLOCKS: dict[str, type] = {}
 LENGTH_BUCKET = 64
+# SDPA backends allowed for the decode step's attention (None: PyTorch's own choice). On
+# the H200 PyTorch picks cuDNN there, and seeded sampling through captured graphs did not
+# reproduce with it (2026-11-29); the memory-efficient kernel reproduces.
+DECODE_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def register_block(key: str):
@@ -162,9 +166,8 @@ def _attend_decode(q, kv, Lb: int, bias, scale: float, impl: str, pos=None):
                                k.reshape(B * Hkv, Lb, D).transpose(1, 2), alpha=scale)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, v.reshape(B * Hkv, Lb, D)).reshape(B, Hkv * G * D)
-    if q.is_cuda:
-        # the memory-efficient kernel: one launch, deterministic, graph-safe with a bias
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+    if q.is_cuda and DECODE_SDPA_BACKENDS is not None:
+        with sdpa_kernel(DECODE_SDPA_BACKENDS):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
