@@ -18,7 +18,8 @@ must be on a file system every rank sees (as DeepSpeed's own checkpoints assume)
 Resuming needs the same world size (ZeRO shards are per rank). Test-only fault hooks:
 DSCHAT_TEST_KILL_AT="step:5" or "save:2" makes rank DSCHAT_TEST_KILL_RANK (default 1)
 SIGKILL itself after step 5 / inside its 2nd save (engine states written, no marker yet);
-DSCHAT_TEST_NONFINITE="3,4" makes that rank see a NaN loss at those update steps.
+DSCHAT_TEST_NONFINITE="3,4" makes that rank see a NaN loss at those update steps
+(DSCHAT_TEST_NONFINITE_NAME picks one check: "loss", "reward", "actor_loss", "critic_loss").
 """
 from __future__ import annotations
 
@@ -212,11 +213,14 @@ def fault_point(kind: str, n: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _forced_nonfinite(step: int, micro: int | None) -> bool:
+def _forced_nonfinite(name: str, step: int, micro: int | None) -> bool:
     """DSCHAT_TEST_NONFINITE="3,5.1": a NaN at step 3 (any micro-batch) and at micro-batch 1
-    of step 5, seen by rank DSCHAT_TEST_KILL_RANK only (tests only)."""
+    of step 5, seen by rank DSCHAT_TEST_KILL_RANK only; DSCHAT_TEST_NONFINITE_NAME="critic_loss"
+    limits it to that check (tests only)."""
     wanted = os.environ.get("DSCHAT_TEST_NONFINITE", "")
     if not wanted or dist.get_rank() != _fault_rank() % dist.get_world_size():
+        return False
+    if os.environ.get("DSCHAT_TEST_NONFINITE_NAME", name) != name:
         return False
     wanted = wanted.split(",")
     return str(step) in wanted or micro is not None and f"{step}.{micro}" in wanted
@@ -388,7 +392,7 @@ class NonFiniteGuard:
         from dschat.engine.distributed import all_reduce_sum
 
         finite = all(bool(torch.isfinite(t.detach()).all()) for t in tensors) \
-            and not _forced_nonfinite(step, micro)
+            and not _forced_nonfinite(name, step, micro)
         bad = int(all_reduce_sum(torch.tensor([0.0 if finite else 1.0], device=self.device)).item())
         if not bad:
             self.in_a_row[name] = 0

@@ -34,14 +34,14 @@ def launch(script, args=(), *, num_gpus: int = 2, timeout: int = 300, env: dict 
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
-def run_plan(tmp: Path, runs: list[dict], timeout: int = 300) -> list[dict]:
-    """Run `runs` in one 2-rank launch of the driver; their results (rc, error)."""
+def run_plan(tmp: Path, runs: list[dict], timeout: int = 300) -> tuple[list[dict], str]:
+    """Run `runs` in one 2-rank launch of the driver: their results (rc, error) and the log."""
     plan, out = tmp / "plan.json", tmp / "results.json"
     plan.write_text(json.dumps({"runs": runs, "out": str(out)}, default=str))
     proc = launch(DRIVER, ["--plan", plan], timeout=timeout)
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"driver failed ({proc.returncode}):\n{proc.stdout[-8000:]}")
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
 
 
 def records(output_dir) -> list[dict]:

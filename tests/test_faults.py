@@ -1,0 +1,88 @@
+"""Fault tolerance (issue #7): SIGKILL one rank during training and during a save, then
+relaunch with --resume. 2 CPU ranks, ZeRO-3, step 1, checkpoints every 2 steps.
+
+Each launch runs in its own process group with a timeout, so a surviving rank that hung
+would fail the test instead of blocking it (the deepspeed launcher terminates the other
+ranks once one dies; that is what ends the killed launches here).
+"""
+import time
+
+import pytest
+
+from dschat.utils import checkpoint as C
+from tests.dist.resume_utils import STEP1, launch, run_plan, series, step1_argv
+
+STEPS, INTERVAL = 8, 2
+
+
+def complete_steps(output_dir) -> list[int]:
+    return [int(p.name[len(C.PREFIX):]) for p in C.complete_checkpoints(output_dir)]
+
+
+@pytest.fixture(scope="module")
+def killed_twice(tmp_path_factory):
+    """Kill rank 1 after step 5; resume and kill rank 1 inside the save of step 6;
+    resume to the end (and an uninterrupted reference run in the same launch)."""
+    tmp = tmp_path_factory.mktemp("faults")
+    run, cache = tmp / "run", tmp / "cache"
+    argv = step1_argv(run, cache, steps=STEPS, extra=["--save_interval", INTERVAL])
+    outcome = {}
+
+    start = time.time()
+    proc = launch(STEP1, argv, timeout=240, env={"DSCHAT_TEST_KILL_AT": "step:5"})
+    outcome["train"] = dict(rc=proc.returncode, log=proc.stdout, seconds=time.time() - start,
+                            complete=complete_steps(run), partial=C.incomplete_checkpoints(run),
+                            logged=sorted(series(run, "train/loss")))
+
+    start = time.time()
+    proc = launch(STEP1, argv + ["--resume"], timeout=240, env={"DSCHAT_TEST_KILL_AT": "save:1"})
+    partial = C.incomplete_checkpoints(run)
+    outcome["save"] = dict(rc=proc.returncode, log=proc.stdout, seconds=time.time() - start,
+                           complete=complete_steps(run), partial=[p.name for p in partial],
+                           contents=[sorted(q.name for q in p.rglob("*")) for p in partial])
+
+    results, log = run_plan(tmp, [{"step": 1, "argv": argv + ["--resume"]},
+                                  {"step": 1, "argv": step1_argv(tmp / "ref", cache, steps=STEPS)}], timeout=300)
+    outcome["resume"] = dict(results=results, log=log, complete=complete_steps(run),
+                             partial=C.incomplete_checkpoints(run))
+    return run, tmp / "ref", outcome
+
+
+def test_sigkill_during_training_keeps_the_last_checkpoints(killed_twice):
+    _, _, outcome = killed_twice
+    train = outcome["train"]
+    assert train["rc"] != 0, train["log"][-3000:]
+    assert "DSCHAT_TEST_KILL_AT=step:5: SIGKILL" in train["log"]
+    assert train["seconds"] < 200  # the surviving rank was stopped, it did not hang
+    assert train["complete"] == [2, 4] and train["partial"] == [], train
+    assert train["logged"] == [1, 2, 3, 4, 5]
+
+
+def test_sigkill_during_a_save_leaves_a_partial_checkpoint_that_is_never_loaded(killed_twice):
+    _, _, outcome = killed_twice
+    save = outcome["save"]
+    assert save["rc"] != 0, save["log"][-3000:]
+    assert "resumed from" in save["log"] and C.checkpoint_name(4) in save["log"]
+    assert "DSCHAT_TEST_KILL_AT=save:1: SIGKILL" in save["log"]
+    assert save["seconds"] < 200
+    assert save["complete"] == [2, 4], save  # step 6 never became a checkpoint
+    assert save["partial"] == [C.TMP_PREFIX + C.checkpoint_name(6)], save
+    [contents] = save["contents"]  # every rank's engine state was written, the marker was not
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in contents and C.MARKER not in contents, contents
+
+
+def test_resume_after_both_kills_loses_at_most_one_interval_and_matches_an_uninterrupted_run(killed_twice):
+    run, ref, outcome = killed_twice
+    resume = outcome["resume"]
+    assert [r["rc"] for r in resume["results"]] == [0, 0], resume["results"]
+    log = resume["log"]
+    assert "removed incomplete checkpoint" in log and C.TMP_PREFIX + C.checkpoint_name(6) in log
+    assert f"resumed from {C.checkpoint_root(run) / C.checkpoint_name(4)} (step 4)" in log
+    # killed after step 5 and inside the save of step 6: restarted from step 4 both times,
+    # i.e. never more than one --save_interval lost
+    assert 5 - 4 <= INTERVAL and 6 - 4 <= INTERVAL
+    assert resume["partial"] == [] and resume["complete"] == [6, 8]  # --keep_last 2
+    got, want = series(run, "train/loss"), series(ref, "train/loss")
+    assert sorted(got) == list(range(1, STEPS + 1))  # metrics.jsonl reads as one run
+    assert got == want, (got, want)  # bit-exact: steps 1-4 from the first launch, 5-8 after resume
+    assert (run / "model.safetensors").exists()
