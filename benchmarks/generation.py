@@ -147,6 +147,9 @@ def main(argv=None):
                                  floor_ms=floor_ms, same_rows_as_hf=same, world=world_size(), **(extra or {})))
                 if rank() == 0:
                     print(json.dumps(rows[-1]), flush=True)
+                    if args.out:  # row by row, so a run cut short still leaves its rows
+                        with open(args.out + ".jsonl", "a") as f:
+                            f.write(json.dumps(rows[-1]) + "\n")
 
             if "hf" in args.modes and engine is None:
                 with torch.no_grad():
@@ -199,9 +202,6 @@ def main(argv=None):
         if args.out:
             with open(args.out + ".md", "a") as f:
                 f.write(table_markdown(rows, bw))
-            with open(args.out + ".jsonl", "a") as f:
-                for r in rows:
-                    f.write(json.dumps(r) + "\n")
 
 
 def table_markdown(rows, bw) -> str:
