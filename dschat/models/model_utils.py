@@ -25,6 +25,8 @@ logger = get_logger(__name__)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# files a saved model folder has besides its weights: their presence means weights are missing
+SAVED_MODEL_FILES = TOKENIZER_FILES + ("generation_config.json",)
 
 
 def _is_local(path: str) -> bool:
@@ -125,17 +127,24 @@ def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | Non
     config.end_token_id = tokenizer.eos_token_id  # upstream's name, read by old checkpoints
     folder = Path(model_name_or_path)
     if _config_file(model_name_or_path) is not None and not has_weights(folder):
+        if folder.is_dir() and any((folder / f).exists() for f in SAVED_MODEL_FILES):
+            raise UserInputError(
+                f"{model_name_or_path}: a saved model folder without weights (no {' or '.join(WEIGHT_FILES)}); "
+                "an incomplete copy? For a random init pass a config.json file instead")
         torch.manual_seed(seed)
         model = model_class.from_config(config, dtype=torch.float32)
         logger.info(f"random init of a {config.model_type} model from {model_name_or_path} (seed {seed})")
     else:
+        from safetensors import SafetensorError
         try:
             with hf_zero3_loading(ds_config):
-                model = model_class.from_pretrained(model_name_or_path, config=config,
-                                                    dtype=torch.float32)
-        except (OSError, ValueError) as e:
+                model, info = model_class.from_pretrained(model_name_or_path, config=config,
+                                                          dtype=torch.float32, output_loading_info=True)
+        except (OSError, ValueError, EOFError, SafetensorError) as e:
+            # a truncated safetensors file raises SafetensorError ("invalid header length")
             raise UserInputError(f"cannot load weights from {model_name_or_path!r}: "
-                                 f"{str(e).splitlines()[0][:300]}") from None
+                                 f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+        _check_loaded_keys(info, model_name_or_path, config)
     model.config.pad_token_id = tokenizer.pad_token_id
     want = padded_vocab_size(len(tokenizer), model.get_input_embeddings().num_embeddings)
     if want != model.get_input_embeddings().num_embeddings:
@@ -145,6 +154,20 @@ def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | Non
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
+
+
+def _check_loaded_keys(info: dict, path: str, config) -> None:
+    """transformers only warns when checkpoint keys do not fit the model and leaves the
+    missing weights randomly initialised (e.g. OPT weights under a Bloom config); here
+    that is an error naming a few of the keys."""
+    missing = sorted(info.get("missing_keys") or [])
+    if not missing:
+        return
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    raise UserInputError(
+        f"{path}: its weights do not fit a {config.model_type} model (config.json): {len(missing)} weights "
+        f"missing, e.g. {missing[:3]}; the file has {len(unexpected)} unexpected ones, e.g. {unexpected[:3]}. "
+        "A checkpoint of another model family?")
 
 
 def save_hf_format(module: nn.Module, tokenizer, output_dir: str | Path, *, rank: int = 0,

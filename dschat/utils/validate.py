@@ -68,6 +68,24 @@ def checkpoint_problems(args) -> list[str]:
     return out
 
 
+def _has_fp16_device() -> bool:
+    """A GPU-like accelerator is there (DeepSpeed's CPU accelerator has no fp16)."""
+    import importlib.util
+
+    import torch
+    if torch.cuda.is_available() or getattr(torch, "xpu", None) is not None and torch.xpu.is_available():
+        return True
+    if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
+        return True
+    return any(importlib.util.find_spec(m) is not None for m in ("torch_npu", "habana_frameworks"))
+
+
+def _dtype(args) -> list[str]:
+    if args.dtype == "fp16" and not _has_fp16_device():
+        return ["--dtype fp16 (the DS-Chat default) needs a GPU; on CPU use --dtype fp32 or bf16"]
+    return []
+
+
 def _dropout(flag: str, value) -> list[str]:
     if value is not None and not 0 <= value < 1:
         return [f"--{flag} must be in [0, 1), got {value}"]
@@ -93,7 +111,7 @@ def sft_problems(args) -> list[str]:
         out.append(f"--learning_rate must be > 0, got {args.learning_rate}")
     if args.weight_decay < 0:
         out.append(f"--weight_decay must be >= 0, got {args.weight_decay}")
-    out += _dropout("dropout", args.dropout)
+    out += _dropout("dropout", args.dropout) + _dtype(args)
     if args.offload and args.zero_stage == 0:
         out.append("--offload needs --zero_stage 1, 2 or 3 (ZeRO-Offload offloads ZeRO state)")
     out += _lora("", args.lora_dim, args.lora_module_name)
@@ -152,6 +170,7 @@ def step3_problems(args) -> list[str]:
         if getattr(args, flag) <= 0:
             out.append(f"--{flag} must be > 0, got {getattr(args, flag)}")
     out += _dropout("actor_dropout", args.actor_dropout) + _dropout("critic_dropout", args.critic_dropout)
+    out += _dtype(args)
     if args.temperature is not None and args.temperature <= 0:
         out.append(f"--temperature must be > 0, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
