@@ -134,7 +134,18 @@ CASES = {
     "fp16_on_cpu": (1, lambda p, o: step1(p, o, "--dtype", "fp16"), ["--dtype fp16", "needs a GPU"]),
     "output_is_the_input_model": (1, lambda p, o: step1(p, p["bloom"]),
                                   ["--output_dir", "would overwrite its own input model"]),
+    "earlier_checkpoints_without_resume": (1, lambda p, o: step1(p, o, "--save_interval", "2"),
+                                           ["holds checkpoints of an earlier run", "step_00000004", "--resume"]),
 }
+
+
+def earlier_checkpoint(out: Path) -> None:
+    """A complete checkpoint left by an earlier run (marker and state only)."""
+    from dschat.utils import checkpoint as C
+    ckpt = C.checkpoint_root(out) / C.checkpoint_name(4)
+    ckpt.mkdir(parents=True)
+    (ckpt / C.STATE_FILE).write_text('{"step": 4}')
+    (ckpt / C.MARKER).write_text("{}")
 
 
 def snapshot(folder: Path) -> dict:
@@ -151,6 +162,8 @@ def outcomes(tmp_path_factory):
         out.mkdir(parents=True)
         (out / "keep.txt").write_text("from an earlier run\n")
         (out / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0}\n')
+        if name == "earlier_checkpoints_without_resume":
+            earlier_checkpoint(out)
         outs[name] = out
         cases.append({"step": step, "argv": [str(a) for a in argv(p, str(out))]})
     fresh = root / "out" / "resume_fresh"

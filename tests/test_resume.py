@@ -48,6 +48,13 @@ def test_only_complete_checkpoints_are_found_and_incomplete_ones_are_removed(tmp
     assert C.latest_checkpoint(tmp_path / "nothing") is None
 
 
+def test_resume_needs_the_same_world_size(tmp_path):
+    path = _fake_checkpoint(tmp_path, 4)
+    (path / C.STATE_FILE).write_text(json.dumps({"step": 4, "world_size": 2}))
+    with pytest.raises(C.UserInputError, match="written by 2 ranks, this run has 1"):
+        C.Checkpointer(str(tmp_path)).load(path)
+
+
 def test_due_counts_multiples_of_the_interval():
     ck = C.Checkpointer("unused", save_interval=3)
     saved = []

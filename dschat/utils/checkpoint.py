@@ -293,16 +293,14 @@ class Checkpointer:
         return final
 
     def find(self, resume: bool) -> Path | None:
-        """With --resume: clean incomplete checkpoints (rank 0) and agree on the newest
-        complete one. None (logged) when there is none: a fresh start."""
-        if not resume:
-            return None
+        """Clean incomplete checkpoints (rank 0); with --resume, agree on the newest complete
+        one. None (logged) when there is none: a fresh start."""
         path = None
         if dist.get_rank() == 0:
             for gone in remove_incomplete(self.output_dir):
                 print_rank_0(f"removed incomplete checkpoint {gone} (no {MARKER} marker)")
-            path = latest_checkpoint(self.output_dir)
-            if path is None:
+            path = latest_checkpoint(self.output_dir) if resume else None
+            if resume and path is None:
                 print_rank_0(f"--resume: no complete checkpoint under {checkpoint_root(self.output_dir)}; "
                              "starting from scratch")
         path = dist.broadcast_object(None if path is None else str(path))

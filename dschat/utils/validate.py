@@ -62,9 +62,17 @@ def _data_paths(args) -> list[str]:
 
 
 def checkpoint_problems(args) -> list[str]:
-    """--save_interval / --keep_last / --max_nonfinite_in_a_row (every step)."""
+    """--save_interval / --keep_last / --max_nonfinite_in_a_row (every step), and a fresh
+    run into an --output_dir that holds another run's checkpoints."""
+    from dschat.utils.checkpoint import checkpoint_root, latest_checkpoint
+
     out = _at_least(args, ("save_interval", "keep_last"), 0)
     out += _at_least(args, ("max_nonfinite_in_a_row",), 1)
+    if args.output_dir and not args.resume and (last := latest_checkpoint(args.output_dir)) is not None:
+        # mixing two runs' checkpoints would make a later --resume continue the wrong one
+        out.append(f"--output_dir {args.output_dir} holds checkpoints of an earlier run (newest: {last.name}); "
+                   f"pass --resume to continue it, or remove {checkpoint_root(args.output_dir)} or pick "
+                   "another --output_dir")
     return out
 
 
