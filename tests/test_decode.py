@@ -108,6 +108,18 @@ def test_step_logits_match_hf_forward(name):
         torch.testing.assert_close(seen[step], ref[:, P - 1 + step], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["bloom-6heads", "llama-gqa"])
+@pytest.mark.parametrize("attn", ["sdpa", "bmm", "triton"])
+def test_decode_attention_paths_match_hf(name, attn):
+    """Every decode attention path (Triton's falls back to its reference without CUDA)."""
+    model = make(name)
+    ids, mask = prompts()
+    ref = hf_generate(model, ids, mask, eos_token_id=None)
+    out = fast(model, attn_impl=attn).generate(ids, mask, max_new_tokens=T, eos_token_id=None,
+                                               pad_token_id=PAD)
+    assert torch.equal(out, ref)
+
+
 def test_min_new_tokens_and_eos_list_match_hf():
     model = make("bloom-6heads")
     ids, mask = prompts()
