@@ -19,10 +19,15 @@ How a generate call runs:
   cumulative attention mask), writing K/V into the cache, logits for the last position;
 - decode: a step function of fixed-address buffers only (current token, position and
   step counters as device tensors, KV cache, per-key bias) that attends only over the
-  filled part of the cache, rounded up to a length bucket (64 keys), samples on the GPU
-  and handles eos/pad/min_new_tokens on the GPU. On CUDA it is captured once per (batch
-  bucket, length bucket, sampling mode) in a CUDA graph and replayed for every token;
-  the host syncs only every `check_every` steps to see whether all rows finished.
+  filled part of the cache: the Triton kernel reads the filled length on the device (one
+  graph per batch bucket and sampling mode); the baddbmm / SDPA paths use the filled part
+  rounded up to a length bucket of 64 keys (one graph per length bucket). Sampling and
+  eos/pad/min_new_tokens run on the GPU inside the step. On CUDA each step is replayed
+  from a CUDA graph; the host syncs only every `check_every` steps to see whether all
+  rows finished (never when min_new_tokens forces the whole length).
+- the decode attention defaults to the Triton kernel for head_dim <= 64 and to baddbmm in
+  HF's op order above (H200 measurements in benchmarks/RESULTS_decode.md); Bloom's prompt
+  runs in HF's eager op order, so the first token's logits equal HF's.
 
 Per-family math lives in `_DecodeBlock` subclasses registered under the registry's
 `fast_decode` key. `fast_decode_supported(model)` says whether a model can use this path;
