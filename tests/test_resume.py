@@ -118,7 +118,7 @@ STEPS = 6
 def step1_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume1")
     cache = tmp / "cache"
-    d = {k: tmp / k for k in ("ref", "ckpt", "res", "nan", "g0", "g1", "halt")}
+    d = {k: tmp / k for k in ("ref", "ckpt", "res", "nan", "g0", "g1", "halt", "rm_ckpt", "rm_res")}
     # dropout off: a skipped group draws a different number of dropout masks in g0 and g1
     gas = ["--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "2", "--dropout", "0"]
     runs = [
@@ -133,6 +133,10 @@ def step1_runs(tmp_path_factory):
         {"step": 1, "argv": step1_argv(d["g1"], cache, steps=STEPS, extra=gas), "env": {"DSCHAT_TEST_NONFINITE": "3.1"}},
         {"step": 1, "argv": step1_argv(d["halt"], cache, steps=STEPS, extra=["--max_nonfinite_in_a_row", 3]),
          "env": {"DSCHAT_TEST_NONFINITE": "3,4,5"}},
+        # step 2 (reward model) shares the step-1 loop: checkpointed run, resumed copy
+        {"step": 2, "argv": step1_argv(d["rm_ckpt"], cache, steps=4, extra=["--save_interval", 2])},
+        {"step": 2, "argv": step1_argv(d["rm_res"], cache, steps=4, extra=["--save_interval", 2, "--resume"]),
+         "copy_checkpoint": [str(d["rm_ckpt"]), 2, str(d["rm_res"])]},
     ]
     results, _ = run_plan(tmp, runs, timeout=400)
     return d, dict(zip(d, results))
@@ -154,6 +158,14 @@ def test_checkpointing_does_not_change_training_and_resume_is_exact(step1_runs):
     final_ref, final_res = load_file(d["ref"] / "model.safetensors"), load_file(d["res"] / "model.safetensors")
     assert all(torch.equal(final_ref[k], final_res[k]) for k in final_ref)
     assert [p.name for p in C.complete_checkpoints(d["res"])] == [C.checkpoint_name(4), C.checkpoint_name(6)]
+
+
+def test_step2_resume_is_exact(step1_runs):
+    d, results = step1_runs
+    assert results["rm_ckpt"]["rc"] == results["rm_res"]["rc"] == 0, results
+    full, res = series(d["rm_ckpt"], "train/loss"), series(d["rm_res"], "train/loss")
+    assert len(full) == 4 and sorted(res) == [3, 4] and all(res[s] == full[s] for s in res), (full, res)
+    assert (d["rm_res"] / "reward_model.json").exists()
 
 
 def test_a_nonfinite_loss_on_one_rank_skips_the_update_on_all(step1_runs):
