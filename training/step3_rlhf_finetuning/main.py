@@ -315,7 +315,7 @@ def main(argv=None):
                 fault_point("step", step)
                 if ckpt.due(step):
                     save()
-                guard.check_halt(step, save)
+            guard.check_halt(step, save)  # (a halt with experience buffered drops that experience)
     progress.close()
 
     save_hf_format(engines.actor.module, tokenizer, os.path.join(args.output_dir, "actor"), rank=rank())
