@@ -24,8 +24,6 @@ PAIR = '{"prompt": "\\n\\nHuman: %s?\\n\\nAssistant:", "chosen": " yes", "reject
 
 def build_inputs(root: Path) -> dict:
     """Model folders and data files, good and broken."""
-    import torch
-
     from dschat.models.model_utils import create_hf_model, load_tokenizer, save_hf_format
     from dschat.models.reward_model import create_reward_model, save_reward_model
     tok = load_tokenizer(None)
@@ -64,7 +62,6 @@ def build_inputs(root: Path) -> dict:
     whole = gzip.compress((PAIR % "hi" * 300).encode())
     (root / "truncated.jsonl.gz").write_bytes(whole[: len(whole) // 2])
     (root / "sft_only.jsonl").write_text('{"prompt": "\\n\\nHuman: hi?\\n\\nAssistant:", "response": " yes"}\n' * 20)
-    del torch
     return {k: str(v) for k, v in p.items()} | {"root": str(root)}
 
 

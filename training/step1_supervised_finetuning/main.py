@@ -132,6 +132,7 @@ def main(argv=None):
                             enable_wandb=args.enable_wandb, wandb_project=args.wandb_project,
                             config=run_config)
 
+    result = None
     if resumed is None:
         result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
         print_rank_0(f"before training: eval loss {result['loss']:.4f}, perplexity {result['ppl']:.3f}")
@@ -141,7 +142,6 @@ def main(argv=None):
         return ckpt.save(step, {"epoch": epoch, "batches_in_epoch": batches_done,
                                 "nonfinite": guard.state(), "config": run_config})
 
-    result = None
     progress = tqdm(total=total_steps, initial=step, desc="step 1 (SFT)", disable=rank() != 0)
     for epoch in range(start_epoch, args.num_train_epochs):
         if step >= total_steps:
@@ -177,7 +177,7 @@ def main(argv=None):
         print_rank_0(f"epoch {epoch}: eval loss {result['loss']:.4f}, perplexity {result['ppl']:.3f}")
         metrics.log(step, {"eval/loss": result["loss"], "eval/ppl": result["ppl"], "train/epoch": epoch})
     progress.close()
-    if result is None:  # resumed from the last step: nothing left to train
+    if result is None:  # resumed after the last step: nothing was left to train
         result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
 
     save_hf_format(engine.module, tokenizer, args.output_dir, rank=rank())

@@ -188,7 +188,7 @@ def main(argv=None):
             guard.check_halt(step, save)
         result = run_eval(step)
     progress.close()
-    if result is None:  # resumed from the last step: nothing left to train
+    if result is None:  # resumed after the last step: nothing was left to train
         result = run_eval(step)
 
     save_reward_model(engine.module, tokenizer, args.output_dir, rank=rank())
