@@ -35,6 +35,20 @@ class ModelFamily:
     lora_targets: tuple[str, ...] = ()
     fast_decode: Optional[str] = None    # key into engine.decode's registry, if any
     aliases: tuple[str, ...] = field(default=())
+    # Inference tensor parallelism (`--inference_tp_size`, dschat/engine/tensor_parallel.py).
+    # Linears are block-relative module paths with the unit their split counts in:
+    # "heads" / "kv_heads" (whole attention heads: every head's rows stay together) or
+    # "ffn" (single MLP intermediate channels). Column-parallel linears keep a slice of
+    # their output rows (and bias); row-parallel ones a slice of their input columns, their
+    # bias is added once after the all-reduce.
+    tp_decode: Optional[str] = None      # key into engine.tensor_parallel's blocks; None: no TP
+    tp_column: tuple[tuple[str, str], ...] = ()
+    tp_row: tuple[tuple[str, str], ...] = ()
+    # Fused QKV rows: "per_head" = [heads, 3, head_dim] (Bloom, GPT-NeoX), so one head's
+    # q, k and v rows are one contiguous run; "separate" = q/k/v are their own linears.
+    tp_qkv_layout: str = "separate"
+    tp_heads: tuple[str, ...] = ()       # config attributes of the attention head count
+    tp_kv_heads: tuple[str, ...] = ()    # ... of the KV head count (GQA); else = heads
 
     @property
     def lora_module_prefix(self) -> str:
@@ -53,6 +67,9 @@ _FAMILIES = [
         dropout_keys=("hidden_dropout", "attention_dropout"),
         lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
         fast_decode="bloom",
+        tp_decode="bloom", tp_qkv_layout="per_head", tp_heads=("n_head",),
+        tp_column=(("self_attention.query_key_value", "heads"), ("mlp.dense_h_to_4h", "ffn")),
+        tp_row=(("self_attention.dense", "heads"), ("mlp.dense_4h_to_h", "ffn")),
     ),
     ModelFamily(
         model_type="opt", base_model="model", blocks="model.decoder.layers",
@@ -64,6 +81,10 @@ _FAMILIES = [
         dropout_keys=("dropout", "attention_dropout", "activation_dropout"),
         lora_targets=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
         fast_decode="opt",
+        tp_decode="opt", tp_heads=("num_attention_heads",),
+        tp_column=(("self_attn.q_proj", "heads"), ("self_attn.k_proj", "heads"),
+                   ("self_attn.v_proj", "heads"), ("fc1", "ffn")),
+        tp_row=(("self_attn.out_proj", "heads"), ("fc2", "ffn")),
     ),
     ModelFamily(
         model_type="llama", base_model="model", blocks="model.layers",
@@ -72,6 +93,10 @@ _FAMILIES = [
         pad_fallback="eos", dropout_keys=("attention_dropout",),
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         fast_decode="llama", aliases=("mistral", "qwen2"),
+        tp_decode="llama", tp_heads=("num_attention_heads",), tp_kv_heads=("num_key_value_heads",),
+        tp_column=(("self_attn.q_proj", "heads"), ("self_attn.k_proj", "kv_heads"),
+                   ("self_attn.v_proj", "kv_heads"), ("mlp.gate_proj", "ffn"), ("mlp.up_proj", "ffn")),
+        tp_row=(("self_attn.o_proj", "heads"), ("mlp.down_proj", "ffn")),
     ),
     ModelFamily(
         model_type="gpt_neox", base_model="gpt_neox", blocks="gpt_neox.layers",
@@ -79,6 +104,9 @@ _FAMILIES = [
         lm_head="lm_head", tied_head=False, position="rotary", pad_fallback="eos",
         dropout_keys=("attention_dropout", "hidden_dropout"),
         lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+        tp_decode="gpt_neox", tp_qkv_layout="per_head", tp_heads=("num_attention_heads",),
+        tp_column=(("attention.query_key_value", "heads"), ("mlp.dense_h_to_4h", "ffn")),
+        tp_row=(("attention.dense", "heads"), ("mlp.dense_4h_to_h", "ffn")),
     ),
     ModelFamily(
         model_type="gpt2", base_model="transformer", blocks="transformer.h",
@@ -149,3 +177,12 @@ def head_is_tied(model: nn.Module) -> bool:
     fam = family_of(model)
     head, emb = resolve(model, fam.lm_head), resolve(model, fam.embed_tokens)
     return head is not None and emb is not None and head.weight is emb.weight
+
+
+def tp_head_counts(config) -> tuple[Optional[int], Optional[int]]:
+    """(attention heads, KV heads) of a config from the family's `tp_heads` / `tp_kv_heads`
+    attributes; KV heads default to the head count; (None, None) without a TP layout."""
+    fam = family_of(config)
+    heads = next((getattr(config, a) for a in fam.tp_heads if getattr(config, a, None)), None)
+    kv = next((getattr(config, a) for a in fam.tp_kv_heads if getattr(config, a, None)), None)
+    return heads, kv or heads

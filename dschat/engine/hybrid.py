@@ -16,6 +16,8 @@
 - ZeRO 0-2 (nothing partitioned): nothing is gathered. Without LoRA and with the
   training dtype, the "replica" is the live module itself (an alias, switched to eval
   for the call); otherwise a replica is filled by copy/cast (+ LoRA merge).
+- `inference_tp_size > 1` (path "tp"): each rank holds 1/tp of the replica and the TP group
+  decodes its ranks' prompts together (`dschat.engine.tensor_parallel.TPActorPath`).
 - hybrid engine off: HF generate on the live module through ZeRO-3's hooks, with
   `synced_gpus=True` under ZeRO-3 with more than one rank (as upstream).
 
@@ -86,14 +88,15 @@ class HybridActor:
 
     Public API: `generate`, `logits`, `log_probs`, `mark_weights_updated`, `train`,
     `eval`, `release_inference_cache`, `pop_stats`, and the properties `inference_model`
-    (what decoding runs on) and `path` ("hooks" | "alias" | "full" | "layered").
+    (what decoding runs on) and `path` ("hooks" | "alias" | "full" | "layered" | "tp").
     """
 
     def __init__(self, engine, *, enable_hybrid_engine: bool, mode: str = "full",
                  tp_gather_partition_size: int = 8, release_inference_cache: bool = False,
                  inference_dtype=None, use_fast_decode: Optional[bool] = None,
                  scheduler: Optional[GatherScheduler] = None, max_prompt_len: int,
-                 max_new_tokens: int, seed: int = 1234, owner: str = "actor"):
+                 max_new_tokens: int, seed: int = 1234, owner: str = "actor",
+                 inference_tp_size: int = 1):
         if mode not in MODES:
             raise UserInputError(f"hybrid actor mode must be one of {MODES} "
                                  f"(--unpin_actor_parameters selects 'layered'), got {mode!r}")
@@ -131,6 +134,12 @@ class HybridActor:
         self._fast_unavailable = False
         self._logged: set[str] = set()
         self._stats = self._empty_stats()
+        # --inference_tp_size > 1: generate/logits run tensor-parallel in groups of ranks
+        # (dschat/engine/tensor_parallel.py); validates the size (UserInputError)
+        self._tp = None
+        if int(inference_tp_size) > 1:
+            from dschat.engine.tensor_parallel import TPActorPath
+            self._tp = TPActorPath(self, int(inference_tp_size))
 
     # ------------------------------------------------------------------ state
     @staticmethod
@@ -145,9 +154,11 @@ class HybridActor:
 
     @property
     def path(self) -> str:
-        """What generation runs on: "hooks" (hybrid off), "alias", "full" or "layered"."""
+        """What generation runs on: "hooks" (hybrid off), "alias", "full", "layered" or "tp"."""
         if not self.enable_hybrid_engine:
             return "hooks"
+        if self._tp is not None:
+            return "tp"
         if self.mode == "layered" and self.zero3:
             return "layered"
         if (not self.zero3 and not self.is_peft and self.inference_dtype == self.train_dtype
@@ -174,6 +185,8 @@ class HybridActor:
         path = self.path
         if path == "hooks":
             return self.module
+        if path == "tp":            # this rank's slice of the replica (not runnable by HF)
+            return self._tp.inference().model
         if path == "alias":
             self._sync_alias()
             return self.hf
@@ -239,6 +252,12 @@ class HybridActor:
                  pad_token_id: int, generator: Optional[torch.Generator] = None) -> torch.LongTensor:
         """Left-padded prompts [B, P] -> sequences [B, P + T], as HF generate returns them."""
         max_new_tokens = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if self._tp is not None:    # tensor-parallel: the group decodes all its ranks' prompts
+            return self._tp.generate(
+                input_ids, attention_mask, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                generator=generator if generator is not None else self._generator)
         t0 = time.perf_counter()
         model = self.inference_model
         path = self.path
@@ -319,6 +338,8 @@ class HybridActor:
                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """fp32 logits [B, S, V] of the current weights without grad, on the replica when
         the hybrid engine is on (no new gather unless the weights changed)."""
+        if self._tp is not None:
+            return self._tp.logits(input_ids, attention_mask, position_ids)
         t0 = time.perf_counter()
         model = self.inference_model
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
@@ -349,6 +370,8 @@ class HybridActor:
 
     def release_inference_cache(self) -> None:
         """Free the replica (or skeleton), the fast decoder's cache and graphs."""
+        if self._tp is not None:
+            self._tp.release()
         if self._fast is not None:
             self._fast.release()
             self._fast = None

@@ -100,7 +100,7 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
         release_inference_cache=args.release_inference_cache,
         max_prompt_len=args.max_prompt_seq_len, max_new_tokens=args.max_answer_seq_len,
         use_fast_decode=False if args.disable_fast_decode else None,
-        scheduler=scheduler, seed=args.seed)
+        scheduler=scheduler, seed=args.seed, inference_tp_size=args.inference_tp_size)
     return RLHFEngines(actor_engine, ref_engine, critic_engine, reward_engine, ema_engine, hybrid,
                        actor_cfg, critic_cfg)
 

@@ -157,11 +157,7 @@ def step3_problems(args) -> list[str]:
 
     out = []
     world = launch_world_size()
-    if args.inference_tp_size < 1 or world % args.inference_tp_size:
-        out.append(f"--inference_tp_size {args.inference_tp_size} does not divide world size {world}")
-    elif args.inference_tp_size > 1:
-        out.append(f"--inference_tp_size {args.inference_tp_size}: tensor-parallel generation is not "
-                   "implemented yet; use 1 (each rank generates on its own replica)")
+    out += _inference_tp(args, world)
     out += _at_least(args, ("per_device_generation_batch_size", "per_device_training_batch_size",
                             "generation_batches", "ppo_epochs", "max_prompt_seq_len", "max_answer_seq_len",
                             "num_train_epochs", "gradient_accumulation_steps", "print_answers_interval",
@@ -236,6 +232,22 @@ def validate_step1(args) -> None:
 
 def validate_step2(args) -> None:
     raise_problems(step2_problems(args))
+
+
+def _inference_tp(args, world: int) -> list[str]:
+    """--inference_tp_size: divides the world size; with the actor's config (read before
+    any model loads) it must also divide the attention and KV head counts."""
+    from dschat.engine.tensor_parallel import tp_size_problems
+    from dschat.models.model_utils import load_config
+
+    config = None
+    actor = args.actor_model_name_or_path
+    if args.inference_tp_size > 1 and not _missing_local(actor):
+        try:
+            config = load_config(actor)
+        except UserInputError:
+            pass        # a bad actor path is reported by the path checks
+    return tp_size_problems(args.inference_tp_size, world, config, hybrid=args.enable_hybrid_engine)
 
 
 def validate_step3(args) -> None:
