@@ -982,6 +982,9 @@ class TPActorPath:
         self.actor, self.tp_size = actor, int(tp_size)
         self.engine: Optional[TPInference] = None
         self.filled_key = None
+        if actor.mode == "layered" and is_rank_0():
+            logger.info(f"{FLAG} {tp_size}: --unpin_actor_parameters has no effect; the tensor-parallel "
+                        "replica slice stays resident (1/tp of the model per rank)")
 
     def inference(self) -> TPInference:
         """The TP engine, built and refilled as needed (a collective of all ranks)."""
