@@ -320,8 +320,9 @@ class HybridActor:
                 from dschat.engine import decode
                 why = getattr(decode, "fast_decode_unsupported_reason", None)
                 if why is not None:
-                    reason = why(model)
-                elif not decode.fast_decode_supported(model):
+                    reason = why(model, max_total_len=self.max_prompt_len + self.max_new_tokens)
+                elif not decode.fast_decode_supported(model, max_total_len=self.max_prompt_len
+                                                      + self.max_new_tokens):
                     reason = "fast_decode_supported() is False for this model"
                 if reason is None:
                     self._fast = decode.FastGenerator(model, max_prompt_len=self.max_prompt_len,

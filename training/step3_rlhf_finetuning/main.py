@@ -93,8 +93,9 @@ def parse_args(argv=None):
                    help="Layered mode: gather --tp_gather_partition_size blocks at a time (less memory, slower).")
     g.add_argument("--release_inference_cache", action="store_true",
                    help="Free the replica, KV cache and graphs after each rollout.")
-    g.add_argument("--inference_tp_size", type=int, default=1, help="Tensor parallelism of generation.")
-    g.add_argument("--tp_gather_partition_size", type=int, default=8, help="Blocks per gather group (layered mode).")
+    g.add_argument("--inference_tp_size", type=int, default=1, help="Generate with tensor parallelism inside groups of this many consecutive ranks (must divide the "
+                        "world size and the head counts; needs --enable_hybrid_engine).")
+    g.add_argument("--tp_gather_partition_size", type=int, default=8, help="Blocks gathered at a time in layered mode and in the tensor-parallel replica fill.")
     g.add_argument("--disable_fast_decode", action="store_true",
                    help="Decode with HF generate on the replica even where the fast path (static KV cache "
                         "+ CUDA graphs, on GPU for bloom/opt/llama) is available; for comparisons.")
