@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Baseline vs finetuned answers side by side, with reward scores when a reward model is given.
+
+    python inference/prompt_eval.py --model_name_or_path_baseline output/demo/step1 \\
+        --model_name_or_path_finetune output/demo/step3/actor --reward_model output/demo/step2
+    python inference/prompt_eval.py --finetune out/step3/actor --prompts my_prompts.txt --jsonl answers.jsonl
+
+Prompts: --prompts FILE (one prompt per line, or JSONL with a `prompt` field and an
+optional `reference`/`chosen` answer), else held-out prompts of --data_path (default: the
+bundled demo data): the eval rows of step 3's share under --data_split/--seed, which no
+step trains on. Prompts are framed as "\\n\\nHuman: ...\\n\\nAssistant:" unless they
+already are. Decoding is greedy unless --temperature/--top_p/--top_k is given; answers
+stop at the tokenizer's eos. Runs in one process, no DeepSpeed (a GPU if there is one).
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from dschat.data.assets import BUNDLED_DATASET_NAME  # noqa: E402
+from dschat.utils.errors import UserInputError  # noqa: E402
+from dschat.utils.run import main_guard  # noqa: E402
+from inference.common import (Sampling, generate_answers, heldout_prompts, load_causal_lm,  # noqa: E402
+                              load_reward, pick_device, pick_dtype, read_prompts, reward_scores)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_name_or_path_baseline", "--baseline", dest="baseline", default=None,
+                   help="The model before training (e.g. the step-1 output, or a hub name).")
+    p.add_argument("--model_name_or_path_finetune", "--finetune", dest="finetune", default=None,
+                   help="The trained model (e.g. step-3 actor/).")
+    p.add_argument("--reward_model", default=None, help="A step-2 output folder: score every answer with it.")
+    p.add_argument("--prompts", default=None, help="Prompt file: one per line, or JSONL with `prompt`.")
+    p.add_argument("--data_path", nargs="*", default=[BUNDLED_DATASET_NAME],
+                   help="Without --prompts: take held-out prompts of this data (default: the bundled demo data).")
+    p.add_argument("--data_split", default="6,3,1", help="Without --prompts: the split the run used.")
+    p.add_argument("--seed", type=int, default=1234, help="Data split seed (and sampling seed).")
+    p.add_argument("--num_prompts", type=int, default=16, help="Use at most this many prompts.")
+    p.add_argument("--max_new_tokens", type=int, default=128, help="Answer tokens at most.")
+    p.add_argument("--max_prompt_len", type=int, default=256, help="Longer prompts keep their last tokens.")
+    p.add_argument("--temperature", type=float, default=None, help="Sample at this temperature (default: greedy).")
+    p.add_argument("--top_p", type=float, default=None, help="Nucleus sampling.")
+    p.add_argument("--top_k", type=int, default=None, help="Top-k sampling.")
+    p.add_argument("--batch_size", type=int, default=16, help="Prompts per generate call.")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda:0 if present, else cpu).")
+    p.add_argument("--dtype", default=None, choices=("fp32", "fp16", "bf16"),
+                   help="Model precision (default: bf16 on GPU, fp32 on CPU).")
+    p.add_argument("--jsonl", default=None, help="Also write one JSON row per prompt here.")
+    p.add_argument("--summary_json", default=None, help="Write the mean rewards etc. here (JSON).")
+    p.add_argument("--width", type=int, default=44, help="Column width of the printed table.")
+    p.add_argument("--quiet", action="store_true", help="Print only the summary, not the table.")
+    return p.parse_args(argv)
+
+
+def validate(args) -> None:
+    problems = []
+    if not args.baseline and not args.finetune:
+        problems.append("give --model_name_or_path_baseline and/or --model_name_or_path_finetune")
+    for flag in ("num_prompts", "max_new_tokens", "max_prompt_len", "batch_size", "width"):
+        if getattr(args, flag) < 1:
+            problems.append(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if problems:
+        raise UserInputError("; ".join(problems))
+
+
+def load_rows(args) -> list[dict]:
+    if args.prompts:
+        return read_prompts(args.prompts)[:args.num_prompts]
+    rows = heldout_prompts(args.data_path, args.data_split, args.seed, args.num_prompts)
+    if not rows:
+        raise UserInputError(f"--data_path {args.data_path}: no held-out prompts under --data_split {args.data_split}")
+    return rows
+
+
+def answer_all(args, rows, device, dtype) -> dict:
+    """{column name: [(prompt_ids, answer_ids, text), ...]} for the baseline and the finetuned model.
+    Models are loaded one at a time, so two large models need not fit together."""
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
+    prompts = [r["prompt"] for r in rows]
+    answers = {}
+    for name, path, flag in (("baseline", args.baseline, "--model_name_or_path_baseline"),
+                             ("finetune", args.finetune, "--model_name_or_path_finetune")):
+        if not path:
+            continue
+        model, tokenizer = load_causal_lm(path, device, dtype, flag=flag)
+        answers[name] = generate_answers(model, tokenizer, prompts, sampling, batch_size=args.batch_size,
+                                         max_prompt_len=args.max_prompt_len, seed=args.seed)
+        answers[name + "_tokenizer"] = tokenizer
+        del model
+    return answers
+
+
+def score_all(args, answers, device, dtype) -> dict:
+    """{column name: [reward, ...]} when --reward_model is given."""
+    if not args.reward_model:
+        return {}
+    model, rm_tokenizer = load_reward(args.reward_model, device, dtype)
+    scores = {}
+    for name in ("baseline", "finetune"):
+        if name not in answers:
+            continue
+        tok = answers[name + "_tokenizer"]
+        if tok.get_vocab() != rm_tokenizer.get_vocab():
+            raise UserInputError(f"--reward_model {args.reward_model} uses another tokenizer than the {name} "
+                                 "model; step 3 needs actor and reward model to share one")
+        scores[name] = reward_scores(model, [(p, a) for p, a, _ in answers[name]], rm_tokenizer.pad_token_id,
+                                     batch_size=args.batch_size)
+    return scores
+
+
+def clip(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 1] + "~"
+
+
+def table(rows, answers, scores, width: int) -> str:
+    """A fixed-width table: prompt | baseline answer (reward) | finetuned answer (reward)."""
+    header = ["#", "prompt"]
+    cols = [c for c in ("baseline", "finetune") if c in answers]
+    for c in cols:
+        header += [c] + (["reward"] if c in scores else [])
+    lines = []
+    for i, row in enumerate(rows):
+        cells = [str(i), clip(row["prompt"].replace("Human:", "").replace("Assistant:", ""), width)]
+        for c in cols:
+            cells.append(clip(answers[c][i][2], width))
+            if c in scores:
+                cells.append(f"{scores[c][i]:+.3f}")
+        lines.append(cells)
+    widths = [max(len(r[j]) for r in [header] + lines) for j in range(len(header))]
+    fmt = lambda cells: " | ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    sep = "-+-".join("-" * w for w in widths)
+    return "\n".join([fmt(header), sep] + [fmt(r) for r in lines])
+
+
+def summarize(rows, answers, scores) -> dict:
+    out = {"num_prompts": len(rows), "sources": sorted({r.get("source", "file") for r in rows})}
+    for c in ("baseline", "finetune"):
+        if c in answers:
+            out[f"{c}_answer_tokens_mean"] = sum(len(a) for _, a, _ in answers[c]) / max(len(rows), 1)
+        if c in scores:
+            out[f"{c}_reward_mean"] = sum(scores[c]) / max(len(scores[c]), 1)
+    if "baseline" in scores and "finetune" in scores:
+        pairs = list(zip(scores["baseline"], scores["finetune"]))
+        out["finetune_better"] = sum(f > b for b, f in pairs)
+        out["finetune_worse"] = sum(f < b for b, f in pairs)
+        out["reward_gain"] = out["finetune_reward_mean"] - out["baseline_reward_mean"]
+    return out
+
+
+def write_jsonl(path, rows, answers, scores) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for i, row in enumerate(rows):
+            record = dict(row)
+            for c in ("baseline", "finetune"):
+                if c in answers:
+                    record[c] = answers[c][i][2]
+                if c in scores:
+                    record[f"{c}_reward"] = scores[c][i]
+            f.write(json.dumps(record) + "\n")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    validate(args)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    rows = load_rows(args)
+    answers = answer_all(args, rows, device, dtype)
+    scores = score_all(args, answers, device, dtype)
+    summary = summarize(rows, answers, scores)
+    if not args.quiet:
+        print(table(rows, answers, scores, args.width))
+    print(json.dumps(summary))
+    if args.jsonl:
+        write_jsonl(args.jsonl, rows, answers, scores)
+    if args.summary_json:
+        Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main_guard(main)
