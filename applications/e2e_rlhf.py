@@ -18,7 +18,8 @@ the step-1 output (the demo's choice).
 Each step is launched through the deepspeed launcher (`deepspeed --num_gpus N` or
 `--hostfile`), its output checked before the next starts, and a step whose output is
 already complete (step1/model.safetensors, step2/reward_model.json, step3/actor/) is
-skipped (say --force to redo it). Logs go to OUTPUT_DIR/logs/. At the end the report
+skipped (say --force to redo it); an incomplete step that left checkpoints
+(--stepN-args='--save_interval N') is resumed from the newest. Logs go to OUTPUT_DIR/logs/. At the end the report
 (OUTPUT_DIR/report.json + report.md) gives the SFT perplexity before/after, the reward
 model's accuracy before/after, the reward of the greedy answers of the step-1 model and
 of the PPO actor on held-out prompts (scored by the step-2 reward model), and where the
@@ -127,7 +128,7 @@ def closest_preset(params_b: float | None, role: str) -> dict:
 class ModelChoice:
     """What one of --actor-model / --reward-model resolved to."""
     spec: str                    # as the user gave it
-    path: str | None             # what main.py gets (None: the step-1 output, resolved later)
+    path: str                    # what main.py gets: a folder, a config.json or a hub name
     preset: dict                 # where its hyperparameters come from
     params_b: float | None
     note: str = ""
@@ -416,6 +417,15 @@ def hostfile_slots(path: str, num_nodes: int | None = None, per_node: int | None
     return sum(min(n, per_node) if per_node else n for n in slots)
 
 
+def previous_timings(out: Path) -> dict:
+    """Step wall times of an earlier report in `out`, kept for the steps this run skips."""
+    try:
+        seconds = json.loads((out / "report.json").read_text()).get("seconds", {})
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {k: v for k, v in seconds.items() if k.startswith("step")}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -460,6 +470,12 @@ def wait_complete(step: Step, seconds: int) -> bool:
             return False
         time.sleep(2)
     return True
+
+
+def latest_checkpoint(step_dir: Path):
+    """The newest complete resumable checkpoint a crashed run left in `step_dir`, if any."""
+    from dschat.utils.checkpoint import latest_checkpoint as latest
+    return latest(step_dir) if (step_dir / "checkpoints").is_dir() else None
 
 
 def differing_flags(step: Step) -> list[str]:
@@ -815,7 +831,8 @@ def main(argv=None):
 
     out.mkdir(parents=True, exist_ok=True)
     env = child_env(deployment)
-    timings = {}
+    timings = previous_timings(out)
+    retrained = []
     for step in steps:
         if step.number not in args.step:
             continue
@@ -824,22 +841,33 @@ def main(argv=None):
             print(f"\n==> {step.name}: {step.out} is already complete ({', '.join(step.done_files)}); skipping "
                   "(--force reruns it)" + (f". Note: it was trained with {'; '.join(diffs)}" if diffs else ""),
                   flush=True)
+            if retrained:
+                print(f"warning: {step.name} was trained before {retrained[-1]} was just retrained; "
+                      f"--force --step {step.number} retrains it on the new output", flush=True)
             continue
         for earlier in steps[:step.number - 1]:
             if not earlier.complete():
                 raise UserInputError(f"{step.name} needs the output of {earlier.name} in {earlier.out}, which is "
                                      f"not complete (missing {', '.join(earlier.done_files)}); add --step {earlier.number}")
         cmd = launcher_argv(args, deployment, gpus) + step.argv
+        checkpoint = None if args.force else latest_checkpoint(step.out)
+        if checkpoint is not None and "--resume" not in cmd:
+            cmd.append("--resume")
+            print(f"\n==> {step.name}: an earlier run left {checkpoint}; resuming from it", flush=True)
         print(f"\n==> {step.name}: {shlex.join(cmd)}", flush=True)
         start = time.time()
         rc = run_logged(cmd, out / "logs" / f"step{step.number}.log", env)
         timings[f"step{step.number}"] = time.time() - start
         if rc != 0:
-            raise UserInputError(f"{step.name} failed (exit code {rc}); its log: {out / 'logs' / f'step{step.number}.log'}")
+            print(f"error: {step.name} failed (exit code {rc}); its log: {out / 'logs' / f'step{step.number}.log'}"
+                  + ("; with --save_interval in --stepN-args a rerun resumes from its last checkpoint"
+                     if rc != 2 else ""), file=sys.stderr, flush=True)
+            return rc
         if not wait_complete(step, args.output_wait):
             raise UserInputError(f"{step.name} exited 0 but {step.out} lacks {', '.join(step.done_files)} "
                                  f"after {args.output_wait} s (multi-node: --output-dir must be on a shared filesystem)")
         print(f"==> {step.name} done in {timings[f'step{step.number}']:.0f} s: {step.out}", flush=True)
+        retrained.append(step.name)
 
     if args.no_report or not all(s.complete() for s in steps):
         missing = [s.name for s in steps if not s.complete()]

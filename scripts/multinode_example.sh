@@ -17,12 +17,11 @@ export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFF
 HOSTFILE=${HOSTFILE:-$ROOT/scripts/hostfile.example}
 ARGS=(--hostfile "$HOSTFILE")
 hosts=$(grep -Ev '^\s*(#|$)' "$HOSTFILE" | awk '{print $1}' | sort -u | tr '\n' ' ')
-if [ -z "${NODE_RANK:-}" ] && [ "$hosts" = "localhost " ]; then
-  NODE_RANK=0; MASTER_ADDR=127.0.0.1   # one local "node": no ssh needed
-fi
 if [ -n "${NODE_RANK:-}" ]; then
   ARGS+=(--launcher-args "--no_ssh --node_rank $NODE_RANK --master_addr ${MASTER_ADDR:?set MASTER_ADDR to the first host}")
   [ -n "${MASTER_PORT:-}" ] || MASTER_PORT=29500   # every node must agree on the port
+elif [ "$hosts" = "localhost " ]; then
+  ARGS+=(--launcher-args "--no_ssh --node_rank 0 --master_addr 127.0.0.1")   # one local "node": no ssh needed
 fi
 if ! nvidia-smi -L >/dev/null 2>&1; then ARGS+=(--deployment-type cpu); else ARGS+=(--deployment-type multi_node); fi
 [ -n "${MASTER_PORT:-}" ] && ARGS+=(--master-port "$MASTER_PORT")

@@ -116,6 +116,18 @@ def test_extra_step_flags_override_the_preset(e2e):
     assert steps[2].flags["actor_zero_stage"] == 3 and steps[0].flags["zero_stage"] == 2
 
 
+def test_hostfile_example_and_slots(e2e, tmp_path):
+    assert e2e.hostfile_slots(str(REPO / "scripts" / "hostfile.example")) == 2
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes\nnode-0 slots=8\n\nnode-1 slots=8\n")
+    assert e2e.hostfile_slots(str(hostfile)) == 16
+    assert e2e.hostfile_slots(str(hostfile), num_nodes=1) == 8
+    assert e2e.hostfile_slots(str(hostfile), per_node=4) == 8
+    hostfile.write_text("node-0 8\n")
+    with pytest.raises(ValueError, match="slots=N"):
+        e2e.hostfile_slots(str(hostfile))
+
+
 # ----------------------------------------------------------------------------- scripts, --help
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_script_parses(script):
