@@ -1,6 +1,7 @@
 """Process-group setup and the few collectives the entry points need."""
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch
@@ -28,7 +29,28 @@ def init_distributed(local_rank: int = -1) -> torch.device:
     else:
         device = torch.device(accel.device_name())
     deepspeed.init_distributed(dist_backend=None if accel.device_name() == "cuda" else "gloo")
+    if accel.device_name() == "cpu":
+        atexit.register(_unlink_cpu_shm_buffers, os.environ.get("MASTER_PORT", ""), os.environ.get("RANK", ""))
     return device
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _unlink_cpu_shm_buffers(port: str, this_rank: str) -> None:
+    """Remove this rank's shared-memory all-reduce buffer of DeepSpeed's CPU comm op.
+
+    DeepSpeed (0.19.8) leaves one ~64 MiB `deepspeed_allreduce_buffer_*_<addr>_<port>_<rank>`
+    file in /dev/shm per rank and launch and never unlinks it, so repeated CPU runs fill
+    /dev/shm until processes are killed. Unlinking at exit frees it (the mapping itself
+    goes away with the process).
+    """
+    try:
+        for name in os.listdir(SHM_DIR):
+            if name.startswith("deepspeed_allreduce_buffer_") and name.endswith(f"_{port}_{this_rank}"):
+                os.unlink(os.path.join(SHM_DIR, name))
+    except OSError:
+        pass
 
 
 def world_size() -> int:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.dist_utils import REPO, free_port, test_env
+from tests.dist_utils import REPO, free_port, remove_shm_buffers, test_env
 
 DRIVER = REPO / "tests" / "dist" / "resume_driver.py"
 STEP1 = REPO / "training" / "step1_supervised_finetuning" / "main.py"
@@ -21,7 +21,8 @@ def launch(script, args=(), *, num_gpus: int = 2, timeout: int = 300, env: dict 
     group (launcher and every rank) is killed, so a hung rank never outlives the test."""
     launcher = shutil.which("deepspeed")
     cmd = ([launcher] if launcher else [sys.executable, "-m", "deepspeed.launcher.runner"])
-    cmd += ["--num_gpus", str(num_gpus), "--master_port", str(free_port()), str(script)]
+    port = free_port()
+    cmd += ["--num_gpus", str(num_gpus), "--master_port", str(port), str(script)]
     cmd += [str(a) for a in args]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**test_env(), **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -31,6 +32,8 @@ def launch(script, args=(), *, num_gpus: int = 2, timeout: int = 300, env: dict 
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} still running after {timeout}s (killed):\n{out[-6000:]}")
+    finally:
+        remove_shm_buffers(port)  # a SIGKILLed rank never unlinks its own
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
