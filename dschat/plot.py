@@ -32,7 +32,10 @@ GROUPS: List[Tuple[str, str, Callable[[str], bool]]] = [
     ("kl", "KL", lambda k: bool(_KL.search(k))),
     ("answer_length", "Answer length", lambda k: bool(_LENGTH.search(_last(k)))),
     ("throughput", "Throughput and timings", lambda k: "per_s" in k or k.startswith("time/")),
+    ("evaluation", "Evaluation", lambda k: k.startswith("eval/") and not k.endswith("loss")),
+    ("memory", "Memory and gathers", lambda k: k.startswith(("memory/", "gather/", "zero/"))),
 ]
+MAX_COLS = 3  # a single run's panels wrap into rows of this many
 
 Series = Dict[str, Tuple[List[float], List[float]]]  # key -> (steps, values)
 
@@ -81,23 +84,38 @@ def plot_group(title: str, keys: Sequence[str], runs: Dict[str, Series], out_pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    nrows, ncols = len(runs), len(keys)
+    single = len(runs) == 1
+    if single:  # one run: wrap the panels into a grid instead of one long strip
+        ncols = min(MAX_COLS, len(keys))
+        nrows = -(-len(keys) // ncols)
+    else:
+        nrows, ncols = len(runs), len(keys)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.0 * nrows + 0.6),
-                             squeeze=False, sharex="col", sharey="col")
-    for row, (label, series) in enumerate(runs.items()):
-        for col, key in enumerate(keys):
+                             squeeze=False, sharex="col", sharey=False if single else "col")
+    for ax in axes.flat[len(keys):] if single else ():
+        ax.set_visible(False)
+    for run_i, (label, series) in enumerate(runs.items()):
+        for key_i, key in enumerate(keys):
+            row, col = divmod(key_i, ncols) if single else (run_i, key_i)
             ax = axes[row][col]
             steps, values = series.get(key, ([], []))
             if steps:
-                ax.plot(steps, values, marker="." if len(steps) <= 50 else None, linewidth=1.2)
+                ax.plot(steps, values, marker="." if len(steps) <= 50 else None, linewidth=1.2,
+                        alpha=0.45 if len(steps) > 30 else 1.0)
+                if len(steps) > 30:  # noisy per-step series: add a moving average
+                    window = max(2, len(steps) // 15)
+                    smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+                              for i in range(len(values))]
+                    ax.plot(steps, smooth, linewidth=1.8, label=f"mean of {window}")
+                    ax.legend(fontsize=7)
             else:
                 ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes,
                         color="grey")
-            ax.set_title(key if nrows == 1 else f"{label}: {key}", fontsize=9)
+            ax.set_title(key if single else f"{label}: {key}", fontsize=9)
             ax.grid(True, alpha=0.3)
-            if row == nrows - 1:
+            if row == nrows - 1 or single:
                 ax.set_xlabel("step")
-    fig.suptitle(title if nrows > 1 else f"{title} ({next(iter(runs))})")
+    fig.suptitle(f"{title} ({next(iter(runs))})" if single else title)
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
@@ -129,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plot the metrics.jsonl of one or more runs into PNGs: losses (keys "
                     "ending in 'loss'), reward (ppo/reward*), KL (keys with a 'kl' part), "
                     "answer length (keys ending in len/length), throughput (keys with "
-                    "'per_s' or under time/). One figure per group, one row of subplots "
-                    "per run; groups without data are skipped. Prints the PNG paths.")
+                    "'per_s' or under time/), evaluation (eval/*), memory and gathers. One figure "
+                    "per group, one row of subplots per run (a single run's panels wrap in rows "
+                    "of 3); series longer than 30 points get a moving average; groups without "
+                    "data are skipped. Prints the PNG paths.")
     parser.add_argument("run_dir", metavar="RUN_DIR",
                         help="a run's output directory (every metrics.jsonl below it is "
                              "plotted as a separate run) or a metrics.jsonl file")

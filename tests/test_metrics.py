@@ -119,10 +119,10 @@ def test_plot_several_runs_and_skips_empty_groups(tmp_path, monkeypatch):
     assert list(runs) == ["a", "b"] and runs["b"]["train/loss"] == ([0], [3.0])
     paths = plot.plot_runs(tmp_path / "sweep")
     assert {p.name for p in paths} == {"answer_length.png", "kl.png", "losses.png",
-                                       "reward.png", "throughput.png"}
+                                       "reward.png", "throughput.png", "evaluation.png"}  # b has eval/ppl
     assert all(p.parent == tmp_path / "sweep" / "plots" for p in paths)
     only_b = plot.plot_runs(tmp_path / "sweep" / "b" / "metrics.jsonl", tmp_path / "b_png")
-    assert [p.name for p in only_b] == ["losses.png"]
+    assert [p.name for p in only_b] == ["losses.png", "evaluation.png"]
 
 
 def test_plot_cli_help_and_missing_metrics(tmp_path):
@@ -145,5 +145,7 @@ def test_group_membership():
         "kl": ["ppo/kl", "ppo/approx_kl"],
         "answer_length": ["gen/answer_len"],
         "throughput": ["perf/tokens_per_s", "time/step_s"],
+        "evaluation": ["eval/reward_score", "eval/ppl"],
+        "memory": [],
     }
     assert json.dumps(groups)  # plain data

@@ -165,7 +165,11 @@ class PPOTrainer:
             "ppo/reward_mean": all_reduce_mean(reward.mean()).item(),
             "ppo/reward_std": all_reduce_mean(reward.std(unbiased=False) if reward.numel() > 1
                                               else torch.zeros((), device=reward.device)).item(),
+            # k1 (mean log-ratio; can go negative on greedy answers) and k3 (always >= 0)
             "ppo/kl": all_reduce_mean(pm.approx_kl(exp.logprobs, exp.ref_logprobs, exp.action_mask)).item(),
+            "ppo/kl_k3": all_reduce_mean(pm.masked_mean(
+                torch.expm1(exp.ref_logprobs - exp.logprobs) - (exp.ref_logprobs - exp.logprobs),
+                exp.action_mask)).item(),
             "gen/answer_len_mean": all_reduce_mean(lengths.mean()).item(),
             "gen/answer_len_max": _all_reduce_max(lengths.max()),
             "ppo/value_mean": all_reduce_mean(pm.masked_mean(exp.values, exp.action_mask)).item(),
