@@ -64,14 +64,17 @@ def test_twenty_ppo_steps_zero3_hybrid_engine(sft_and_rm, tmp_path):
         assert (tmp_path / sub / "model.safetensors").exists(), sub
 
 
-def test_hybrid_engine_on_and_off_generate_the_same(sft_and_rm, tmp_path):
-    on, off = tmp_path / "on", tmp_path / "off"
+def test_hybrid_engine_on_off_and_tensor_parallel_generate_the_same(sft_and_rm, tmp_path):
+    on, off, tp = tmp_path / "on", tmp_path / "off", tmp_path / "tp"
     run_deepspeed(STEP3, step3_args(sft_and_rm, on, 3, ["--enable_hybrid_engine"]))
     run_deepspeed(STEP3, step3_args(sft_and_rm, off, 3))
+    run_deepspeed(STEP3, step3_args(sft_and_rm, tp, 3, ["--enable_hybrid_engine", "--inference_tp_size", "2"]))
     key = lambda r: (r["step"], r["rank"], r["prompt"])  # noqa: E731
     a = {key(r): r["answer"] for r in dumped(on)}
     b = {key(r): r["answer"] for r in dumped(off)}
+    c = {key(r): r["answer"] for r in dumped(tp)}
     assert a.keys() == b.keys() and a == b
+    assert c == a
 
 
 def test_bf16_actor_and_critic_at_zero3(sft_and_rm, tmp_path):

@@ -4,6 +4,7 @@ Imported by tests/dist/hybrid_*.py, which run under `deepspeed --num_gpus 2` on 
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import os
@@ -155,6 +156,8 @@ def init():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
+    from dschat.engine.distributed import shutdown_distributed
+    atexit.register(shutdown_distributed)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
