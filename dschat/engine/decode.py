@@ -532,7 +532,7 @@ class _OPTBlock(_DecodeBlock):
         return self._logits(self._body(self._embed(tok, row_pos), attend))
 
 
-def _sliding_window(config) -> Optional[int]:
+def attention_window(config) -> Optional[int]:
     """The attention window a config imposes on any layer (None: full attention)."""
     window = getattr(config, "sliding_window", None)
     if window is None or getattr(config, "use_sliding_window", True) is False:
@@ -558,7 +558,7 @@ class _LlamaBlock(_DecodeBlock):
         rope_type = getattr(rotary, "rope_type", "default")
         if rope_type not in cls.STATIC_ROPE:
             return f"rope type {rope_type!r} changes with sequence length"
-        window = _sliding_window(config)
+        window = attention_window(config)
         if window is not None and (max_total_len is None or window < max_total_len):
             return (f"sliding window {window} shorter than prompt + answer "
                     f"({max_total_len})" if max_total_len else f"sliding window {window}")

@@ -56,6 +56,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dschat.engine.decode import attention_window
 from dschat.engine.gather import (GatherPlan, GatherScheduler, PendingGather, _bind_param, _lora_delta,
                                   _needs_gather, full_nbytes, get_scheduler, release_replica)
 from dschat.registry import (REGISTRY, family_of, head_is_tied, resolve, tp_head_counts, unwrap_peft)
@@ -673,17 +674,6 @@ class _OPTTP(_TPBlock):
         return x
 
 
-def _active_window(config) -> Optional[int]:
-    """The attention window a config imposes on any layer (None: full attention)."""
-    window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and all(t == "full_attention" for t in layer_types):
-        return None
-    return int(window)
-
-
 @register_tp_block("llama")
 class _LlamaTP(_TPBlock):
     """LLaMA / Mistral / Qwen2: RMSNorm, rotary (the replica's own rotary module), GQA with
@@ -694,7 +684,7 @@ class _LlamaTP(_TPBlock):
         self.scale = self.head_dim ** -0.5
         self.norm = resolve(self.model, self.fam.final_norm)
         self.rotary = resolve(self.model, self.fam.base_model + ".rotary_emb")
-        self.window = _active_window(self.config)
+        self.window = attention_window(self.config)
 
     def embed(self, ids, pos):
         return self.embed_tokens(ids)
