@@ -124,3 +124,12 @@ def read_metrics(path) -> list:
             except json.JSONDecodeError:
                 continue
     return records
+
+
+def metrics_logger_for(args, config: dict) -> "MetricsLogger":
+    """The logger of an entry point, from its logging flags (see utils/flags.add_logging_args);
+    a relative --tensorboard_path lives under --output_dir."""
+    from dschat.utils.run import resolve_under
+    tb_path = resolve_under(args.output_dir, args.tensorboard_path)
+    return MetricsLogger(args.output_dir, enable_tensorboard=args.enable_tensorboard, tensorboard_path=tb_path,
+                         enable_wandb=args.enable_wandb, wandb_project=args.wandb_project, config=config)

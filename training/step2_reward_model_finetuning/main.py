@@ -28,8 +28,8 @@ from dschat.models.reward_model import create_reward_model, save_reward_model
 from dschat.utils import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
 from dschat.utils.logging import print_rank_0
-from dschat.utils.metrics import MetricsLogger
-from dschat.utils.run import main_guard, resolve_under, resolved_config, save_json, set_seed
+from dschat.utils.metrics import metrics_logger_for
+from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
 from dschat.utils.validate import validate_step2
 
 
@@ -139,10 +139,7 @@ def main(argv=None):
         step = resumed.step
         start_epoch, batches_done = resumed.state["epoch"], resumed.state["batches_in_epoch"]
         guard.load_state(resumed.state["nonfinite"])
-    metrics = MetricsLogger(args.output_dir, enable_tensorboard=args.enable_tensorboard,
-                            tensorboard_path=resolve_under(args.output_dir, args.tensorboard_path),
-                            enable_wandb=args.enable_wandb, wandb_project=args.wandb_project,
-                            config=run_config)
+    metrics = metrics_logger_for(args, run_config)
 
     def run_eval(step):
         result = evaluate(engine, eval_loader, device, args.eval_iters)

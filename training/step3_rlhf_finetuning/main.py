@@ -35,8 +35,8 @@ from dschat.rlhf.trainer import PPOConfig, PPOTrainer
 from dschat.utils import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
 from dschat.utils.logging import print_rank_0
-from dschat.utils.metrics import MetricsLogger
-from dschat.utils.run import main_guard, resolve_under, resolved_config, save_json, set_seed
+from dschat.utils.metrics import metrics_logger_for
+from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
 from dschat.utils.validate import raise_problems, validate_step3
 
 
@@ -247,9 +247,7 @@ def main(argv=None):
         return False
 
     trainer.update_guard = update_guard
-    metrics = MetricsLogger(args.output_dir, enable_tensorboard=args.enable_tensorboard,
-                            tensorboard_path=resolve_under(args.output_dir, args.tensorboard_path),
-                            enable_wandb=args.enable_wandb, wandb_project=args.wandb_project, config=run_config)
+    metrics = metrics_logger_for(args, run_config)
     if args.dump_generations and rank() == 0 and resumed is None:
         os.makedirs(os.path.dirname(os.path.abspath(args.dump_generations)), exist_ok=True)
         open(args.dump_generations, "w").close()
