@@ -83,8 +83,11 @@ class PPOTrainer:
             == torch.distributed.get_world_size()
         if not all_ok:
             return None, timings
-        seq, prompts, prompt_mask, action_mask = seq[keep], prompts[keep], prompt_mask[keep], action_mask[keep]
+        # Dropped rows stay in the batch with their action mask zeroed (no loss, no reward):
+        # removing them would give ranks different numbers of PPO micro-batches, and under
+        # ZeRO-3 every rank must run the same forwards and backwards.
         attention_mask = torch.cat([prompt_mask.long(), action_mask], dim=1)
+        action_mask = action_mask * keep.unsqueeze(1).long()
 
         start = time.time()
         logits = self.e.hybrid.logits(seq, attention_mask)
@@ -159,8 +162,10 @@ class PPOTrainer:
 
     @staticmethod
     def experience_metrics(exp: Experience) -> dict:
-        lengths = exp.action_mask.sum(1).float()
-        reward = exp.rewards.float()
+        """Over the rows kept for training (answers of more than one token; >= 1 per rank)."""
+        kept = exp.action_mask.sum(1) > 0
+        lengths = exp.action_mask.sum(1).float()[kept]
+        reward = exp.rewards.float()[kept]
         return {
             "ppo/reward_mean": all_reduce_mean(reward.mean()).item(),
             "ppo/reward_std": all_reduce_mean(reward.std(unbiased=False) if reward.numel() > 1

@@ -154,7 +154,7 @@ def dump_generations(path, step, exp, tokenizer, this_rank):
     rows = []
     for i in range(exp.batch_size):
         prompt = exp.seq[i, :P][exp.attention_mask[i, :P].bool()]
-        answer = exp.seq[i, P:][exp.action_mask[i].bool()]
+        answer = exp.seq[i, P:][exp.attention_mask[i, P:].bool()]
         rows.append({"step": step, "rank": this_rank,
                      "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
                      "answer": tokenizer.decode(answer, skip_special_tokens=True),
