@@ -258,6 +258,12 @@ class _DecodeBlock:
     def pointers(self) -> list:
         return [t.data_ptr() for t in self.tensors()]
 
+    def fused_qkv(self, i: int, lay: dict) -> tuple:
+        """Layer i's (weight, bias) of Q, K and V concatenated into derived buffers."""
+        w = self.derived(f"qkv_w{i}", [lay["q"][0], lay["k"][0], lay["v"][0]])
+        b = None if lay["q"][1] is None else self.derived(f"qkv_b{i}", [lay["q"][1], lay["k"][1], lay["v"][1]])
+        return w, b
+
     def derived(self, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """A buffer holding cat(parts, 0), allocated once per shape (fixed address)."""
         shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
@@ -440,10 +446,7 @@ class _OPTBlock(_DecodeBlock):
                 fc1=(blk.fc1.weight, blk.fc1.bias), fc2=(blk.fc2.weight, blk.fc2.bias),
                 act=blk.activation_fn)
             if self.fuse_qkv:
-                w = self.derived(f"qkv_w{i}", [lay["q"][0], lay["k"][0], lay["v"][0]])
-                b = None if lay["q"][1] is None else self.derived(
-                    f"qkv_b{i}", [lay["q"][1], lay["k"][1], lay["v"][1]])
-                lay["qkv"] = (w, b)
+                lay["qkv"] = self.fused_qkv(i, lay)
             self.layers.append(lay)
         self.n_layers = len(self.layers)
         self.vocab = self.head.shape[0]
@@ -592,10 +595,7 @@ class _LlamaBlock(_DecodeBlock):
                 gate=(mlp.gate_proj.weight, mlp.gate_proj.bias), up=(mlp.up_proj.weight, mlp.up_proj.bias),
                 down=(mlp.down_proj.weight, mlp.down_proj.bias), act=mlp.act_fn)
             if self.fuse_qkv:
-                w = self.derived(f"qkv_w{i}", [lay["q"][0], lay["k"][0], lay["v"][0]])
-                b = None if lay["q"][1] is None else self.derived(
-                    f"qkv_b{i}", [lay["q"][1], lay["k"][1], lay["v"][1]])
-                lay["qkv"] = (w, b)
+                lay["qkv"] = self.fused_qkv(i, lay)
             self.layers.append(lay)
         self.n_layers = len(self.layers)
         self.vocab = self.head.shape[0]

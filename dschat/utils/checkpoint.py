@@ -234,6 +234,11 @@ class Resumed:
     step: int
     state: dict                      # state.json (position, counters, config)
 
+    @property
+    def position(self) -> tuple[int, int, int]:
+        """(optimizer step, epoch, batches consumed in that epoch) to continue from."""
+        return self.step, self.state["epoch"], self.state["batches_in_epoch"]
+
 
 @dataclass
 class Checkpointer:
@@ -305,6 +310,16 @@ class Checkpointer:
                              "starting from scratch")
         path = dist.broadcast_object(None if path is None else str(path))
         return None if path is None else Path(path)
+
+    def resume_or_start(self, resume: bool, config: dict, guard: "NonFiniteGuard") -> Resumed | None:
+        """Load the newest complete checkpoint when `resume` finds one (its non-finite counters
+        go back into `guard`); None for a fresh start. A collective."""
+        path = self.find(resume)
+        if path is None:
+            return None
+        resumed = self.load(path, config)
+        guard.load_state(resumed.state["nonfinite"])
+        return resumed
 
     def load(self, path: Path, config: dict | None = None) -> Resumed:
         """Restore every engine, module and RNG from checkpoint `path` (a collective).

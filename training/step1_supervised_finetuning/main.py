@@ -120,13 +120,8 @@ def main(argv=None):
 
     ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last, engines={"model": engine})
     guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
-    step, start_epoch, batches_done = 0, 0, 0
-    resumed = None
-    if (path := ckpt.find(args.resume)) is not None:
-        resumed = ckpt.load(path, run_config)
-        step = resumed.step
-        start_epoch, batches_done = resumed.state["epoch"], resumed.state["batches_in_epoch"]
-        guard.load_state(resumed.state["nonfinite"])
+    resumed = ckpt.resume_or_start(args.resume, run_config, guard)
+    step, start_epoch, batches_done = resumed.position if resumed else (0, 0, 0)
     metrics = metrics_logger_for(args, run_config)
 
     result = None

@@ -229,15 +229,11 @@ def main(argv=None):
                         modules={"ema": engines.ema.module} if engines.ema is not None else {},
                         generators={"hybrid": sampling_rng} if sampling_rng is not None else {})
     guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
-    step, start_epoch, batches_done, unsup_done = 0, 0, 0, 0
-    resumed = None
-    if (path := ckpt.find(args.resume)) is not None:
-        resumed = ckpt.load(path, run_config)
+    resumed = ckpt.resume_or_start(args.resume, run_config, guard)
+    step, start_epoch, batches_done = resumed.position if resumed else (0, 0, 0)
+    unsup_done = resumed.state["unsup_in_epoch"] if resumed else 0
+    if resumed:
         engines.hybrid.mark_weights_updated()  # the replica must be refilled from the loaded shards
-        step = resumed.step
-        start_epoch, batches_done = resumed.state["epoch"], resumed.state["batches_in_epoch"]
-        unsup_done = resumed.state["unsup_in_epoch"]
-        guard.load_state(resumed.state["nonfinite"])
 
     def update_guard(name, loss, engine) -> bool:
         """Skip (on every rank) an actor/critic update whose loss is not finite anywhere."""
