@@ -123,21 +123,25 @@ def main(argv=None):
         results[mode] = {k: mean(k) for k in ("time/step_s", "time/generate_s", "time/score_s", "time/train_s",
                                               "gen/fill_seconds", "memory/peak_gib")}
         results[mode]["samples_per_s"] = args.batch * args.num_gpus / results[mode]["time/step_s"]
+        results[mode]["steps"] = len(rows)
+        results[mode]["left_gathered_max"] = max(r.get("zero/params_left_gathered", 0) for r in rows)
+        results[mode]["reward_first_last"] = (rows[0].get("ppo/reward_mean"), rows[-1].get("ppo/reward_mean"))
         print(mode, json.dumps(results[mode]), flush=True)
     lines = [f"step 3, {args.preset} actor + critic at ZeRO-3, {args.dtype}, {args.num_gpus} GPU(s), "
              f"{args.batch} x ({args.prompt_len} + {args.answer_len}) per GPU per step; mean of steps "
              f"{args.warmup + 1}..{args.steps}", "",
-             "| mode | step s | generation s | scoring s | training s | refill s | samples/s | x hybrid off | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| mode | step s | generation s | scoring s | training s | refill s | samples/s | x hybrid off | peak GiB "
+             "| steps done | params left gathered (max) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = (results.get("hybrid off") or {}).get("samples_per_s")
     for mode, r in results.items():
         if r is None:
-            lines.append(f"| {mode} | failed | | | | | | | |")
+            lines.append(f"| {mode} | failed | | | | | | | | | |")
             continue
         ratio = r["samples_per_s"] / base if base else float("nan")
         lines.append(f"| {mode} | {r['time/step_s']:.2f} | {r['time/generate_s']:.2f} | {r['time/score_s']:.2f} | "
                      f"{r['time/train_s']:.2f} | {r['gen/fill_seconds']:.3f} | {r['samples_per_s']:.2f} | "
-                     f"{ratio:.2f} | {r['memory/peak_gib']:.1f} |")
+                     f"{ratio:.2f} | {r['memory/peak_gib']:.1f} | {r['steps']} | {int(r['left_gathered_max'])} |")
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:

@@ -155,10 +155,12 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ metrics
     def params_left_gathered(self) -> int:
-        """ZeRO-3 parameters of any step-3 model still gathered or in flight (should be 0)."""
+        """ZeRO-3 parameters of any step-3 model still gathered or in flight, the most on
+        any rank (should be 0; a collective)."""
         from dschat.engine.zero import params_left_gathered
         engines = [self.e.actor, self.e.ref, self.e.critic, self.e.reward, self.e.ema]
-        return sum(len(params_left_gathered(e.module)) for e in engines if e is not None)
+        here = sum(len(params_left_gathered(e.module)) for e in engines if e is not None)
+        return int(_all_reduce_max(torch.tensor(float(here), device=self.e.actor.device)))
 
     @staticmethod
     def experience_metrics(exp: Experience) -> dict:

@@ -40,14 +40,45 @@ def resolve_under(output_dir: str, path: str) -> str:
     return path if os.path.isabs(path) else os.path.join(output_dir, path)
 
 
-def main_guard(main):
+def main_guard(main, hard_exit: bool | None = None):
     """Run `main`: bad user input becomes one line on stderr and exit code 2; a run that
-    halted on purpose (`TrainingHalted`) prints its reason and exits 3."""
+    halted on purpose (`TrainingHalted`) prints its reason and exits 3.
+
+    A process that started a process group leaves through `os._exit` once `main` is done
+    and its outputs are flushed: with torch 2.13 + gloo on loaded CPUs a rank sometimes died
+    with SIGABRT ("terminate called without an active exception") inside C++ static
+    destruction after all its work was saved, and the launcher then reported a failed run.
+    Nothing of ours runs after `main` returns, so skipping interpreter teardown loses nothing
+    (every metrics sink is closed by `main`; Python `logging` is shut down here).
+    `hard_exit=False` keeps the normal teardown (for entry points that never start one).
+    """
+    code = 0
     try:
-        return main()
+        result = main()
+        code = result if isinstance(result, int) else 0
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        code = 2
     except TrainingHalted as e:
         print(f"halted: {e}", file=sys.stderr, flush=True)
-        sys.exit(3)
+        code = 3
+    if hard_exit is None:
+        hard_exit = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not hard_exit:
+        sys.exit(code)
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
+    import logging
+
+    from dschat.engine.distributed import shutdown_distributed
+
+    shutdown_distributed()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
