@@ -28,6 +28,6 @@ else
     --answer_len 128 --num_gpus "$n" --workdir /tmp/s3_1b7 --out "$out/step3.md" 2>&1 | quiet
   cp /tmp/s3_1b7/ours_fast/metrics.jsonl "$out/ppo50_bloom1b7_metrics.jsonl" 2>/dev/null
   launch benchmarks/generation.py --models bloom-560m --batch 16 --layered --out "$out/gen" 2>&1 | quiet
-  python3 benchmarks/step3.py --preset bloom-560m --modes "hybrid off" "ours generic" --steps 4 --warmup 1 \
+  python3 benchmarks/step3.py --preset bloom-560m --modes "hybrid off" "ours generic" --steps 3 --warmup 1 \
     --num_gpus "$n" --workdir /tmp/s3_560m --out "$out/step3.md" 2>&1 | quiet
 fi
