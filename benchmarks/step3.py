@@ -6,8 +6,9 @@ training, for hybrid off (ZeRO-3 hooks), ours generic (replica + HF generate) an
 
 Builds a random-init actor (the preset's shape) and a random reward model on its backbone,
 writes prompts of exactly --prompt_len tokens, then runs training/step3_rlhf_finetuning/main.py
-once per mode through the deepspeed launcher with actor and critic both at ZeRO-3, answers
-forced to --answer_len tokens. Steady-state numbers skip the first --warmup steps.
+once per mode through the deepspeed launcher with actor and critic both at ZeRO-3 (reference
+and reward too, except in the "frozen unsharded" mode), answers forced to --answer_len tokens.
+Steady-state numbers skip the first --warmup steps.
 """
 import argparse
 import json
@@ -24,6 +25,9 @@ MODES = {
     "hybrid off": [],
     "ours generic": ["--enable_hybrid_engine", "--disable_fast_decode"],
     "ours fast": ["--enable_hybrid_engine"],
+    # reference and reward whole on every GPU (ZeRO-0) while actor and critic stay at ZeRO-3
+    "ours fast, frozen unsharded": ["--enable_hybrid_engine", "--reference_zero_stage", "0",
+                                    "--reward_zero_stage", "0"],
 }
 
 

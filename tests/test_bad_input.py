@@ -126,7 +126,7 @@ CASES = {
                                           "--actor_lora_module_name", "h.", "--top_p", "1.5",
                                           "--min_answer_seq_len", "9", "--unpin_actor_parameters"),
                     ["must be a multiple of --per_device_training_batch_size (3)",
-                     "--offload_reference_model needs --actor_zero_stage 3", "--actor_lora_module_name needs",
+                     "--offload_reference_model needs the reference model at ZeRO-3", "--actor_lora_module_name needs",
                      "--top_p must be in (0, 1]", "--min_answer_seq_len 9 exceeds", "--unpin_actor_parameters needs"]),
     "fp16_on_cpu": (1, lambda p, o: step1(p, o, "--dtype", "fp16"), ["--dtype fp16", "needs a GPU"]),
     "output_is_the_input_model": (1, lambda p, o: step1(p, p["bloom"]),

@@ -198,6 +198,7 @@ def test_zero3_families_lora_full_layered_hooks(tmp_path):
                              ("logprob_full_vs_ref", 1e-5), ("logprob_full_vs_ref_after_step", 1e-5)):
                 assert c[key] < tol, f"{tag}: {key}={c[key]}"
             assert c["full_fill_bytes"] == c["plan_bytes"], tag
+            assert c["full_peak_live"] == c["max_pair_bytes"], tag   # next group's gather overlapped
             assert c["full_fills_before_step"] == 1, tag       # log-probs reused the replica
             assert c["layered_slot_bytes"] == 2 * c["block_bytes"], tag
             assert c["layered_peak_live"] <= max(2 * c["src_block_bytes"], c["max_static_group_bytes"]), tag

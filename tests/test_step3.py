@@ -77,6 +77,23 @@ def test_hybrid_engine_on_off_and_tensor_parallel_generate_the_same(sft_and_rm, 
     assert c == a
 
 
+def test_unsharded_frozen_models_score_like_zero3_ones(sft_and_rm, tmp_path):
+    """--reference_zero_stage 0 / --reward_zero_stage 0 under an actor and critic at ZeRO-3:
+    the same answers, rewards, KL and losses as the default (frozen models at ZeRO-3)."""
+    sharded, whole = tmp_path / "sharded", tmp_path / "whole"
+    run_deepspeed(STEP3, step3_args(sft_and_rm, sharded, 3, ["--enable_hybrid_engine"]))
+    run_deepspeed(STEP3, step3_args(sft_and_rm, whole, 3, ["--enable_hybrid_engine", "--reference_zero_stage", "0",
+                                                            "--reward_zero_stage", "0"]))
+    key = lambda r: (r["step"], r["rank"], r["prompt"])  # noqa: E731
+    assert {key(r): r["answer"] for r in dumped(sharded)} == {key(r): r["answer"] for r in dumped(whole)}
+    a, b = read_metrics(sharded / "metrics.jsonl"), read_metrics(whole / "metrics.jsonl")
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b):
+        for k in ("ppo/reward_mean", "ppo/kl", "ppo/actor_loss", "ppo/critic_loss"):
+            assert abs(ra[k] - rb[k]) <= 1e-5 * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
+        assert rb["zero/params_left_gathered"] == 0
+
+
 def test_bf16_actor_and_critic_at_zero3(sft_and_rm, tmp_path):
     # upstream cannot build its critic here: fp32 value head beside a bf16 backbone
     run_deepspeed(STEP3, step3_args(sft_and_rm, tmp_path, 2, ["--enable_hybrid_engine", "--dtype", "bf16"]))

@@ -581,31 +581,62 @@ def _copy_group(items: list[_Copy]) -> None:
 
 def _gather_copy(groups: list[GatherGroup], binding: ReplicaBinding, scheduler: GatherScheduler,
                  owner: str) -> None:
-    """Gather each group, copy it into the replica, release it before the next group."""
-    for group in groups:
-        pending = None
+    """Gather each group, copy it into the replica, release it; one group ahead in flight.
+
+    The next group's all-gather is started before this group's copy when the budget admits
+    both (`try_lease`), so the collective overlaps the copy instead of waiting behind it.
+    The collectives are issued group by group in the same order on every rank either way;
+    only when a group's gather starts relative to the previous copy can differ.
+    Recorded seconds are the time the caller waited on gathers plus the releases.
+    """
+    def start(group: GatherGroup, prefetch: bool):
+        nbytes = sum(full_nbytes(p) for p in group.tensors() if _needs_gather(p))
         lease = None
+        if nbytes:
+            lease = scheduler.try_lease(nbytes, owner) if prefetch else scheduler.lease(nbytes, owner)
+            if lease is None:
+                return None
         try:
-            nbytes = sum(full_nbytes(p) for p in group.tensors() if _needs_gather(p))
-            lease = scheduler.lease(nbytes, owner) if nbytes else None
-            t0 = time.perf_counter()
-            pending = PendingGather(group.tensors())
-            pending.wait()
-            t1 = time.perf_counter()
-            _copy_group(binding.copies[group.name])
-            t2 = time.perf_counter()
-            pending.release()
-            t3 = time.perf_counter()
-            if pending.nbytes:
-                scheduler.record(owner, nbytes=pending.nbytes, seconds=(t1 - t0) + (t3 - t2),
-                                 copy_seconds=t2 - t1)
-            else:
-                scheduler.record(owner, nbytes=0, seconds=0.0, calls=0, copy_seconds=t2 - t1)
-        finally:
-            if pending is not None:
-                pending.release()
+            return group, lease, PendingGather(group.tensors())
+        except BaseException:
             if lease is not None:
                 lease.release()
+            raise
+
+    def finish(entry) -> None:
+        _, lease, pending = entry
+        try:
+            pending.release()
+        finally:
+            if lease is not None:
+                lease.release()
+
+    ahead = None
+    try:
+        for i, group in enumerate(groups):
+            t0 = time.perf_counter()
+            current = ahead if ahead is not None and ahead[0] is group else start(group, prefetch=False)
+            ahead = None
+            pending = current[2]
+            try:
+                pending.wait()
+                t1 = time.perf_counter()
+                if i + 1 < len(groups):
+                    ahead = start(groups[i + 1], prefetch=True)
+                t2 = time.perf_counter()
+                _copy_group(binding.copies[group.name])
+                t3 = time.perf_counter()
+            finally:
+                finish(current)
+            t4 = time.perf_counter()
+            if pending.nbytes:
+                scheduler.record(owner, nbytes=pending.nbytes, seconds=(t1 - t0) + (t4 - t3),
+                                 copy_seconds=t3 - t2)
+            else:
+                scheduler.record(owner, nbytes=0, seconds=0.0, calls=0, copy_seconds=t3 - t2)
+    finally:
+        if ahead is not None:      # an exception left the next gather in flight
+            finish(ahead)
 
 
 def _needs_gather(p: torch.Tensor) -> bool:

@@ -79,6 +79,9 @@ def run_case(family: str, lora: bool, rank: int) -> dict:
                                        and torch.equal(before["layered"], before["off"]))
     res["tokens_rank_sample"] = want[0, ids.shape[1]:].tolist()
     res["full_fill_bytes"] = scheds["full"].stats["bytes_total"]
+    # full fill keeps one group ahead in flight: the peak is the largest neighbouring pair
+    res["full_peak_live"] = scheds["full"].stats["peak_live_bytes"]
+    res["max_pair_bytes"] = max(a.nbytes + b.nbytes for a, b in zip(plan.groups, plan.groups[1:]))
     lay = actors["layered"]._layered
     res["layered_slot_bytes"] = lay.slot_nbytes
     from dschat.registry import family_of, resolve

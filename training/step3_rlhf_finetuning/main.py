@@ -105,6 +105,13 @@ def parse_args(argv=None):
     g.add_argument("--offload_reward_model", action="store_true", help="Offload the reward model.")
     g.add_argument("--actor_zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="Actor ZeRO stage.")
     g.add_argument("--critic_zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="Critic ZeRO stage.")
+    g.add_argument("--reference_zero_stage", type=int, default=None, choices=(0, 3),
+                   help="ZeRO stage of the frozen reference (and EMA) model. Default: 3 when "
+                        "--actor_zero_stage is 3, else 0 (upstream's rule). 0 keeps a whole copy on "
+                        "every GPU: no per-layer gathers while scoring, at the memory of one model.")
+    g.add_argument("--reward_zero_stage", type=int, default=None, choices=(0, 3),
+                   help="ZeRO stage of the frozen reward model. Default: 3 when --critic_zero_stage "
+                        "is 3, else 0. 0 keeps a whole copy on every GPU (faster scoring, more memory).")
     g.add_argument("--actor_gradient_checkpointing", action="store_true", help="Actor activation checkpointing.")
     g.add_argument("--critic_gradient_checkpointing", action="store_true", help="Critic activation checkpointing.")
     g.add_argument("--actor_dropout", type=float, default=None, help="Actor dropout override.")
