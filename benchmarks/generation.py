@@ -20,6 +20,8 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 PRESETS = {
     "tiny-bloom": dict(model_type="bloom", vocab_size=1024, hidden_size=128, n_layer=4, n_head=4),  # CPU smoke
     "bloom-560m": dict(model_type="bloom", vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16),
@@ -112,7 +114,6 @@ def timed(fn, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import deepspeed
     from dschat.engine.config import eval_ds_config
     from dschat.engine.distributed import init_distributed, rank, world_size
@@ -226,4 +227,6 @@ def print_table(rows, bw):
 
 
 if __name__ == "__main__":
-    main()
+    from dschat.utils.run import main_guard
+
+    main_guard(main)   # exits via os._exit once done (see main_guard)

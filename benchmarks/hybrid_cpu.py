@@ -21,9 +21,12 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse() -> argparse.Namespace:
@@ -184,4 +187,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from dschat.utils.run import main_guard
+
+    main_guard(main)   # exits via os._exit once done (see main_guard)

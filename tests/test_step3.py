@@ -83,7 +83,7 @@ def test_unsharded_frozen_models_score_like_zero3_ones(sft_and_rm, tmp_path):
     sharded, whole = tmp_path / "sharded", tmp_path / "whole"
     run_deepspeed(STEP3, step3_args(sft_and_rm, sharded, 3, ["--enable_hybrid_engine"]))
     run_deepspeed(STEP3, step3_args(sft_and_rm, whole, 3, ["--enable_hybrid_engine", "--reference_zero_stage", "0",
-                                                            "--reward_zero_stage", "0"]))
+                                                            "--reward_zero_stage", "0", "--enable_ema"]))
     key = lambda r: (r["step"], r["rank"], r["prompt"])  # noqa: E731
     assert {key(r): r["answer"] for r in dumped(sharded)} == {key(r): r["answer"] for r in dumped(whole)}
     a, b = read_metrics(sharded / "metrics.jsonl"), read_metrics(whole / "metrics.jsonl")
@@ -92,6 +92,7 @@ def test_unsharded_frozen_models_score_like_zero3_ones(sft_and_rm, tmp_path):
         for k in ("ppo/reward_mean", "ppo/kl", "ppo/actor_loss", "ppo/critic_loss"):
             assert abs(ra[k] - rb[k]) <= 1e-5 * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
         assert rb["zero/params_left_gathered"] == 0
+    assert (whole / "actor_ema" / "model.safetensors").exists()   # the EMA follows the reference's stage
 
 
 def test_bf16_actor_and_critic_at_zero3(sft_and_rm, tmp_path):

@@ -189,4 +189,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from dschat.utils.run import main_guard
+
+    main_guard(main)   # exits via os._exit once done (see main_guard)
