@@ -167,11 +167,12 @@ def hf_run(model, ids, mask, T, keep_logits):
 
 def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     _reset_peak()
-    # e.g. fast, fast:sdpa, fast:sdpa:notriton, fast:sdpa:cudnn, fast:triton:s8:bn64, hf
+    # e.g. fast, fast:sdpa, fast:sdpa:notriton, fast:sdpa:cudnn, fast:triton:s8:bn64, hf;
+    # "fusedkv": the Triton attention writes the step's K/V itself (decode_triton.FUSE_KV_WRITE)
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
-    saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS)
+    saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE)
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -179,10 +180,12 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr.ATTN_BLOCK_N = int(f[2:])
         if f == "cudnn":
             decode.DECODE_SDPA_BACKENDS = None
+        if f == "fusedkv":
+            dtr.FUSE_KV_WRITE = True
     try:
         return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
     finally:
-        dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS = saved
+        dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE = saved
 
 
 def _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample):
@@ -332,7 +335,7 @@ def table(rows, bw, device):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--plan", default="full", help="full | quick | comma list of preset:dtype:batch")
+    ap.add_argument("--plan", default="full", help="full | quick | tune | kvfuse | smoke | comma list of preset:dtype:batch")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--numerics", default="fast,hf")
@@ -366,6 +369,11 @@ def main():
     elif args.plan == "tune":
         plan = [("bloom-560m", bf16, 16, nums, True, True, None),
                 ("bloom-7b1", bf16, 16, nums, True, True, None)]
+    elif args.plan == "kvfuse":   # Triton attention: fused K/V write and fewer splits (bloom-560m)
+        variants = ["fast:triton", "fast:triton:fusedkv", "fast:triton:s1", "fast:triton:s1:fusedkv",
+                    "fast:triton:s2", "fast:triton:s2:fusedkv"]
+        plan = [("bloom-560m", bf16, 16, variants, True, True, None),
+                ("bloom-560m", bf16, 64, ["fast:triton", "fast:triton:fusedkv"], True, False, None)]
     elif args.plan == "quick":
         plan = [("bloom-560m", bf16, 16, nums, True, True, None)]
     else:

@@ -3,6 +3,10 @@
 Weights are drawn with a large init std so that greedy continuations vary from token to
 token (with HF's default 0.02 these tiny models repeat one token, which proves little).
 """
+import importlib.util
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
@@ -11,6 +15,8 @@ from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadM
 
 from dschat.engine.decode import (FastGenerator, fast_decode_supported,
                                   fast_decode_unsupported_reason)
+from tests.dist_utils import REPO
+from tests.dist_utils import test_env as subprocess_env
 
 V = 1024
 PAD = 0
@@ -272,3 +278,21 @@ def test_triton_kernels_match_reference():
                 torch.testing.assert_close(dt.decode_attention(q, kv, kb, pos, 0.1).float(),
                                            dt.decode_attention_ref(q, kv, kb, pos, 0.1).float(),
                                            atol=tol, rtol=tol)
+                new = torch.randn(B, Hkv, 2, D, device="cuda", generator=g).to(dtype)
+                kv_fused, kv_ref = kv.clone(), kv.clone()
+                got = dt.decode_attention(q, kv_fused, kb, pos, 0.1, new_kv=new)
+                dt.write_kv_ref(kv_ref, new, pos)
+                assert torch.equal(kv_fused, kv_ref)
+                torch.testing.assert_close(got.float(), dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1).float(),
+                                           atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_triton_kernels_in_the_cpu_interpreter():
+    """The Triton decode kernels (attention with and without the fused K/V write, add+norm)
+    run in Triton's CPU interpreter: equal to their PyTorch references, and FastGenerator on
+    the Triton attention gives HF generate's fp32 tokens either way."""
+    env = dict(subprocess_env(), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "triton_interpret_decode.py")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

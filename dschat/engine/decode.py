@@ -405,6 +405,9 @@ class _BloomBlock(_DecodeBlock):
 
         def attend(li, h):
             qkv = _lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
+            if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
+                return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
+                                                      new_kv=qkv[:, :, 1:3])
             kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
             return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl,
                                   pos)

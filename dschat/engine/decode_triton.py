@@ -129,6 +129,9 @@ def _interpreting() -> bool:
 
 ATTN_SPLITS: "int | None" = None       # keys split across programs; None: chosen per shape
 ATTN_BLOCK_N = 64                      # keys per inner step (64 beat 128 at head_dim 64 on the H200)
+# The attention kernel writes the step's K/V into the cache itself (one kernel less per
+# layer). Checked against the reference in Triton's CPU interpreter; off until timed on a GPU.
+FUSE_KV_WRITE = False
 
 
 def decode_attention_ref(q, kv, key_bias, pos, scale: float):
@@ -177,18 +180,22 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, new_ptr,
                            Hkv, chunk, scale,
-                           sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h,
+                           sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h, sn_b, sn_h,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                           BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr):
+                           BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
+                           FUSED: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
         h = bh % Hkv
         n_keys = tl.load(pos_ptr) + 1                 # slots 0..pos, read on the device
         start = split * chunk
-        end = tl.minimum(start + chunk, n_keys)
+        if FUSED:                                     # slot pos comes from new_ptr, below
+            end = tl.minimum(start + chunk, n_keys - 1)
+        else:
+            end = tl.minimum(start + chunk, n_keys)
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, D)
         gmask = offs_g < G
@@ -210,6 +217,24 @@ if triton is not None:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
                                             skv_l, gmask, offs_d, D, BLOCK_N, GP)
+        if FUSED:
+            # the step's own K/V: the program whose chunk holds slot pos writes it into the
+            # cache (no separate index_copy kernel) and adds it to its softmax
+            p = n_keys - 1
+            if (p >= start) & (p < start + chunk):
+                new_base = new_ptr + b * sn_b + h * sn_h
+                k_new = tl.load(new_base + offs_d)
+                v_new = tl.load(new_base + D + offs_d)
+                tl.store(kv_base + p * skv_l + offs_d, k_new)
+                tl.store(kv_base + p * skv_l + D + offs_d, v_new)
+                s_new = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1) * scale
+                s_new += tl.load(b_base + p, mask=gmask, other=0.0).to(tl.float32)
+                m_new = tl.maximum(m_i, s_new)
+                alpha = tl.exp(m_i - m_new)
+                p_new = tl.exp(s_new - m_new)
+                l_i = l_i * alpha + p_new
+                acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+                m_i = m_new
         if SPLITS == 1:
             out = acc / l_i[:, None]
             o_ptr = out_ptr + b * (Hkv * G * D) + (h * G + offs_g[:, None]) * D + offs_d[None, :]
@@ -257,14 +282,28 @@ def _block_n(D: int) -> int:
     return ATTN_BLOCK_N or (128 if D <= 64 else 64)
 
 
-def decode_attention(q, kv, key_bias, pos, scale: float):
+def write_kv_ref(kv, new_kv, pos) -> None:
+    """kv[:, :, pos] = new_kv ([B, Hkv, 2, D]; pos a 1-element device tensor)."""
+    kv.index_copy_(2, pos, new_kv.unsqueeze(2))
+
+
+def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     """Triton flash-decoding over slots 0..pos read from the device (so one CUDA graph
-    serves every step): split-K programs, then a combine kernel when split."""
-    if triton is None or (q.device.type != "cuda" and not _interpreting()):
-        return decode_attention_ref(q, kv, key_bias, pos, scale)
+    serves every step): split-K programs, then a combine kernel when split.
+
+    `new_kv` [B, Hkv, 2, D] (V right after K, last dim contiguous): this step's K/V, written
+    into slot pos by the kernel itself (else the caller must have written it)."""
+    fallback = triton is None or (q.device.type != "cuda" and not _interpreting())
     B, Hkv, G, D = q.shape
     L = kv.shape[2]
-    if q.stride(-1) != 1 or kv.stride(-1) != 1 or kv.stride(3) != D or key_bias.stride(-1) != 1:
+    if not fallback and (q.stride(-1) != 1 or kv.stride(-1) != 1 or kv.stride(3) != D
+                         or key_bias.stride(-1) != 1):
+        fallback = True
+    if not fallback and new_kv is not None and (new_kv.stride(-1) != 1 or new_kv.stride(2) != D):
+        fallback = True
+    if fallback:
+        if new_kv is not None:
+            write_kv_ref(kv, new_kv, pos)
         return decode_attention_ref(q, kv, key_bias, pos, scale)
     GP = max(1, triton.next_power_of_2(G))
     S = _splits(B, Hkv, L, q.device)
@@ -278,11 +317,13 @@ def decode_attention(q, kv, key_bias, pos, scale: float):
     else:
         m = l = acc = out
     sb_h = 0 if key_bias.shape[1] == 1 else key_bias.stride(1)
+    fused = new_kv is not None
+    new = new_kv if fused else q
     _attn_split_kernel[(B * Hkv, S)](
-        q, kv, key_bias, pos, out, m, l, acc, Hkv, chunk, float(scale),
+        q, kv, key_bias, pos, out, m, l, acc, new, Hkv, chunk, float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
-        key_bias.stride(0), sb_h, G=G, GP=GP, D=D, BLOCK_N=bn, SPLITS=S,
-        WHILE=_interpreting(), num_warps=8 if bn * D * GP >= 8192 else 4)
+        key_bias.stride(0), sb_h, new.stride(0), new.stride(1), G=G, GP=GP, D=D, BLOCK_N=bn,
+        SPLITS=S, WHILE=_interpreting(), FUSED=fused, num_warps=8 if bn * D * GP >= 8192 else 4)
     if S > 1:
         _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GP, D=D, SPLITS=S,
                                          num_warps=4)
