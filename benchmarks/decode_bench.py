@@ -17,7 +17,6 @@ import argparse
 import gc
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
