@@ -368,11 +368,12 @@ def main():
     elif args.plan == "tune":
         plan = [("bloom-560m", bf16, 16, nums, True, True, None),
                 ("bloom-7b1", bf16, 16, nums, True, True, None)]
-    elif args.plan == "kvfuse":   # Triton attention: fused K/V write and fewer splits (bloom-560m)
+    elif args.plan == "kvfuse":   # Triton attention: fused K/V write, fewer splits; bloom-7b1 against bmm
         variants = ["fast:triton", "fast:triton:fusedkv", "fast:triton:s1", "fast:triton:s1:fusedkv",
                     "fast:triton:s2", "fast:triton:s2:fusedkv"]
         plan = [("bloom-560m", bf16, 16, variants, True, True, None),
-                ("bloom-560m", bf16, 64, ["fast:triton", "fast:triton:fusedkv"], True, False, None)]
+                ("bloom-560m", bf16, 64, ["fast:triton", "fast:triton:fusedkv"], True, False, None),
+                ("bloom-7b1", bf16, 16, ["fast", "fast:triton", "fast:triton:fusedkv"], True, False, None)]
     elif args.plan == "quick":
         plan = [("bloom-560m", bf16, 16, nums, True, True, None)]
     else:

@@ -14,7 +14,7 @@ if [ "$what" = gen ]; then
   python3 benchmarks/generation.py --models bloom-7b1 --batch 16 --out "$out/gen" 2>&1 | grep -v -i warn
   python3 benchmarks/generation.py --models bloom-1b7 opt-1.3b llama-7b --batch 16 --modes hf unwrap generic fast --out "$out/gen" 2>&1 | grep -v -i warn
 elif [ "$what" = decode ]; then
-  python3 benchmarks/decode_bench.py --plan kvfuse --out "$out" 2>&1 | grep -v -i warn
+  python3 benchmarks/decode_bench.py --plan kvfuse --profile bloom-560m,bloom-7b1 --out "$out" 2>&1 | grep -v -i warn
 else
-  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --out "$out/step3.md" 2>&1 | grep -v -i warn
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --profile_step 4 --out "$out/step3.md" 2>&1 | grep -v -i warn
 fi

@@ -44,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--num_gpus", type=int, default=1)
     p.add_argument("--workdir", default="/tmp/dschat_step3_bench")
     p.add_argument("--out", default=None, help="Append the table (markdown) to this file.")
+    p.add_argument("--profile_step", type=int, default=0,
+                   help="Pass --profile_step to every mode; its table is copied beside --out "
+                        "(or into --workdir) as step3_profile_<mode>.txt.")
     return p.parse_args(argv)
 
 
@@ -101,11 +104,18 @@ def run_mode(mode, args, actor, critic, prompts, workdir) -> list[dict]:
            "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
            "--min_answer_seq_len", str(args.answer_len), "--max_steps", str(args.steps),
            "--num_warmup_steps", "0", "--output_dir", str(out), *MODES[mode]]
+    if args.profile_step:
+        cmd += ["--profile_step", str(args.profile_step)]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
         return []
+    table = out / "profile" / f"step_{args.profile_step}.txt"
+    if args.profile_step and table.exists():
+        dest = Path(args.out).parent if args.out else workdir
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / f"step3_profile_{mode.replace(' ', '_').replace(',', '')}.txt").write_text(table.read_text())
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -83,7 +83,8 @@ def test_unsharded_frozen_models_score_like_zero3_ones(sft_and_rm, tmp_path):
     sharded, whole = tmp_path / "sharded", tmp_path / "whole"
     run_deepspeed(STEP3, step3_args(sft_and_rm, sharded, 3, ["--enable_hybrid_engine"]))
     run_deepspeed(STEP3, step3_args(sft_and_rm, whole, 3, ["--enable_hybrid_engine", "--reference_zero_stage", "0",
-                                                            "--reward_zero_stage", "0", "--enable_ema"]))
+                                                            "--reward_zero_stage", "0", "--enable_ema",
+                                                            "--profile_step", "2"]))
     key = lambda r: (r["step"], r["rank"], r["prompt"])  # noqa: E731
     assert {key(r): r["answer"] for r in dumped(sharded)} == {key(r): r["answer"] for r in dumped(whole)}
     a, b = read_metrics(sharded / "metrics.jsonl"), read_metrics(whole / "metrics.jsonl")
@@ -93,6 +94,13 @@ def test_unsharded_frozen_models_score_like_zero3_ones(sft_and_rm, tmp_path):
             assert abs(ra[k] - rb[k]) <= 1e-5 * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
         assert rb["zero/params_left_gathered"] == 0
     assert (whole / "actor_ema" / "model.safetensors").exists()   # the EMA follows the reference's stage
+    # --profile_step 2: rank 0's table names the step's phases, and a trace beside it
+    table = (whole / "profile" / "step_2.txt").read_text()
+    for phase in ("dschat/generate", "dschat/score/reference", "dschat/train/actor_backward",
+                  "dschat/train/critic_step"):
+        assert phase in table, phase
+    assert (whole / "profile" / "step_2.trace.json").stat().st_size > 0
+    assert not (whole / "profile" / "step_1.txt").exists()
 
 
 def test_bf16_actor_and_critic_at_zero3(sft_and_rm, tmp_path):

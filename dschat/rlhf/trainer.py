@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from dschat.engine.distributed import all_reduce_mean, all_reduce_sum
 from dschat.engine.train_utils import lm_loss_sum
@@ -66,11 +67,12 @@ class PPOTrainer:
         timings = {}
         self.e.actor.eval()
         start = time.time()
-        seq = self.e.hybrid.generate(
-            prompts, prompt_mask, max_new_tokens=self.cfg.max_answer_seq_len,
-            min_new_tokens=self.cfg.min_answer_seq_len, do_sample=self.cfg.do_sample,
-            temperature=self.cfg.temperature, top_k=self.cfg.top_k, top_p=self.cfg.top_p,
-            eos_token_id=self.eos, pad_token_id=self.pad)
+        with record_function("dschat/generate"):
+            seq = self.e.hybrid.generate(
+                prompts, prompt_mask, max_new_tokens=self.cfg.max_answer_seq_len,
+                min_new_tokens=self.cfg.min_answer_seq_len, do_sample=self.cfg.do_sample,
+                temperature=self.cfg.temperature, top_k=self.cfg.top_k, top_p=self.cfg.top_p,
+                eos_token_id=self.eos, pad_token_id=self.pad)
         timings["generate_s"] = time.time() - start
         P = prompts.shape[1]
         answers = seq[:, P:]
@@ -90,16 +92,20 @@ class PPOTrainer:
         action_mask = action_mask * keep.unsqueeze(1).long()
 
         start = time.time()
-        logits = self.e.hybrid.logits(seq, attention_mask)
-        logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(seq, P))
-        del logits
-        ref_logits = self.e.ref(input_ids=seq, attention_mask=attention_mask, use_cache=False,
-                                **_positions(self.e.ref.module, attention_mask)).logits
-        ref_logprobs = pm.gather_log_probs(pm.answer_slice(ref_logits, P), pm.answer_tokens(seq, P))
-        del ref_logits
-        reward = self.e.reward.module.forward_value(seq, attention_mask)["chosen_end_scores"].float()
-        values = self.e.critic.module.forward_value(seq, attention_mask, return_value_only=True)
-        values = pm.answer_slice(values, P).float()
+        with record_function("dschat/score/actor"):
+            logits = self.e.hybrid.logits(seq, attention_mask)
+            logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(seq, P))
+            del logits
+        with record_function("dschat/score/reference"):
+            ref_logits = self.e.ref(input_ids=seq, attention_mask=attention_mask, use_cache=False,
+                                    **_positions(self.e.ref.module, attention_mask)).logits
+            ref_logprobs = pm.gather_log_probs(pm.answer_slice(ref_logits, P), pm.answer_tokens(seq, P))
+            del ref_logits
+        with record_function("dschat/score/reward"):
+            reward = self.e.reward.module.forward_value(seq, attention_mask)["chosen_end_scores"].float()
+        with record_function("dschat/score/critic"):
+            values = self.e.critic.module.forward_value(seq, attention_mask, return_value_only=True)
+            values = pm.answer_slice(values, P).float()
         timings["score_s"] = time.time() - start
         exp = Experience(prompts=prompts, seq=seq, attention_mask=attention_mask, action_mask=action_mask,
                          logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, rewards=reward,
@@ -116,20 +122,28 @@ class PPOTrainer:
         self.e.actor.train()
         self.e.critic.train()
         # the same positions as generation and the experience pass (left-padded prompts)
-        logits = self.e.actor(input_ids=exp.seq, attention_mask=exp.attention_mask, use_cache=False,
-                              **_positions(self.e.actor.module, exp.attention_mask)).logits
-        logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(exp.seq, P))
-        a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask, self.cfg.cliprange)
+        with record_function("dschat/train/actor_forward"):
+            logits = self.e.actor(input_ids=exp.seq, attention_mask=exp.attention_mask, use_cache=False,
+                                  **_positions(self.e.actor.module, exp.attention_mask)).logits
+            logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(exp.seq, P))
+            a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
+                                           self.cfg.cliprange)
         if self._may_update("actor_loss", a_loss, self.e.actor):
-            self.e.actor.backward(a_loss)
-            self.e.actor.step()
+            with record_function("dschat/train/actor_backward"):
+                self.e.actor.backward(a_loss)
+            with record_function("dschat/train/actor_step"):
+                self.e.actor.step()
 
-        values = self.e.critic.module.forward_value(exp.seq, exp.attention_mask, return_value_only=True)
-        values = pm.answer_slice(values, P)
-        c_loss, c_clip = pm.critic_loss(values, exp.values, exp.returns, exp.action_mask, self.cfg.cliprange_value)
+        with record_function("dschat/train/critic_forward"):
+            values = self.e.critic.module.forward_value(exp.seq, exp.attention_mask, return_value_only=True)
+            values = pm.answer_slice(values, P)
+            c_loss, c_clip = pm.critic_loss(values, exp.values, exp.returns, exp.action_mask,
+                                            self.cfg.cliprange_value)
         if self._may_update("critic_loss", c_loss, self.e.critic):
-            self.e.critic.backward(c_loss)
-            self.e.critic.step()
+            with record_function("dschat/train/critic_backward"):
+                self.e.critic.backward(c_loss)
+            with record_function("dschat/train/critic_step"):
+                self.e.critic.step()
         return {"actor_loss": a_loss.detach(), "critic_loss": c_loss.detach(),
                 "actor_clip_frac": a_clip, "critic_clip_frac": c_clip}
 

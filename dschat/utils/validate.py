@@ -162,7 +162,7 @@ def step3_problems(args) -> list[str]:
                             "generation_batches", "ppo_epochs", "max_prompt_seq_len", "max_answer_seq_len",
                             "num_train_epochs", "gradient_accumulation_steps", "print_answers_interval",
                             "tp_gather_partition_size"), 1)
-    out += _at_least(args, ("num_warmup_steps", "max_steps", "min_answer_seq_len", "test_stop_step"), 0)
+    out += _at_least(args, ("num_warmup_steps", "max_steps", "min_answer_seq_len", "test_stop_step", "profile_step"), 0)
     gen_rows = args.per_device_generation_batch_size * args.generation_batches
     if args.per_device_training_batch_size >= 1 and gen_rows % args.per_device_training_batch_size:
         out.append(f"--per_device_generation_batch_size x --generation_batches ({gen_rows}) must be a "

@@ -36,6 +36,7 @@ from dschat.utils import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import metrics_logger_for
+from dschat.utils.profiling import StepProfiler, add_profile_args
 from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
 from dschat.utils.validate import raise_problems, validate_step3
 
@@ -143,6 +144,7 @@ def parse_args(argv=None):
     g.add_argument("--max_steps", type=int, default=0, help="Stop after this many PPO steps (0: all).")
     flags.add_logging_args(p)
     flags.add_checkpoint_args(p, unit="PPO steps")
+    add_profile_args(p)
     return p.parse_args(argv)
 
 
@@ -259,6 +261,8 @@ def main(argv=None):
         return ckpt.save(step, {"epoch": epoch, "batches_in_epoch": batches_done, "unsup_in_epoch": unsup_done,
                                 "nonfinite": guard.state(), "config": run_config})
 
+    profiler = StepProfiler(args.profile_step, args.profile_dir or os.path.join(args.output_dir, "profile"),
+                            rank(), device)
     buffer, unsup_buffer = [], []
     progress = tqdm(total=total_steps, initial=step, desc="step 3 (PPO)", disable=rank() != 0)
     for epoch in range(start_epoch, args.num_train_epochs):
@@ -277,6 +281,7 @@ def main(argv=None):
             if step >= total_steps:
                 break
             step_start = time.time()
+            profiler.begin(step + 1)
             batch = to_device(batch, device)
             exp, timings = trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"])
             step += 1
@@ -313,6 +318,9 @@ def main(argv=None):
                     record["train/skipped_nonfinite"] = guard.skipped
                     metrics.log(step, record)
                     progress.set_postfix(reward=f"{record['ppo/reward_mean']:.3f}", kl=f"{record['ppo/kl']:.3f}")
+            written = profiler.end(step)
+            if written:
+                print_rank_0(f"profile of step {step} written to {written} (and .trace.json)")
             if not buffer:  # checkpoints only between PPO rounds: the experience buffer is not saved
                 fault_point("step", step)
                 if ckpt.due(step):
