@@ -532,6 +532,9 @@ class _OPTBlock(_DecodeBlock):
     def decode(self, tok, row_pos, pos, kv, bias, Lb):
         def attend(li, h):
             qkv = self._qkv(h, self.layers[li])                  # [B, 3, H, D]
+            if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
+                return decode_triton.decode_attention(qkv[:, 0].unsqueeze(2), kv[li], bias, pos, self.scale,
+                                                      new_kv=qkv[:, 1:3].transpose(1, 2))
             kv[li].index_copy_(2, pos, qkv[:, 1:3].transpose(1, 2).unsqueeze(2))
             return _attend_decode(qkv[:, 0].unsqueeze(2), kv[li], Lb, bias, self.scale,
                                   self.attn_impl, pos)

@@ -130,7 +130,8 @@ def _interpreting() -> bool:
 ATTN_SPLITS: "int | None" = None       # keys split across programs; None: chosen per shape
 ATTN_BLOCK_N = 64                      # keys per inner step (64 beat 128 at head_dim 64 on the H200)
 # The attention kernel writes the step's K/V into the cache itself (one kernel less per
-# layer). Checked against the reference in Triton's CPU interpreter; off until timed on a GPU.
+# layer; the Bloom and OPT blocks, where the decode attention is the Triton one). Checked
+# against the reference in Triton's CPU interpreter; off until timed on a GPU.
 FUSE_KV_WRITE = False
 
 
@@ -182,7 +183,7 @@ if triton is not None:
     @triton.jit
     def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, new_ptr,
                            Hkv, chunk, scale,
-                           sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h, sn_b, sn_h,
+                           sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h, sn_b, sn_h, sn_v,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
                            FUSED: tl.constexpr):
@@ -224,7 +225,7 @@ if triton is not None:
             if (p >= start) & (p < start + chunk):
                 new_base = new_ptr + b * sn_b + h * sn_h
                 k_new = tl.load(new_base + offs_d)
-                v_new = tl.load(new_base + D + offs_d)
+                v_new = tl.load(new_base + sn_v + offs_d)
                 tl.store(kv_base + p * skv_l + offs_d, k_new)
                 tl.store(kv_base + p * skv_l + D + offs_d, v_new)
                 s_new = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1) * scale
@@ -291,15 +292,15 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     """Triton flash-decoding over slots 0..pos read from the device (so one CUDA graph
     serves every step): split-K programs, then a combine kernel when split.
 
-    `new_kv` [B, Hkv, 2, D] (V right after K, last dim contiguous): this step's K/V, written
-    into slot pos by the kernel itself (else the caller must have written it)."""
+    `new_kv` [B, Hkv, 2, D] (any strides but a contiguous last dim): this step's K/V,
+    written into slot pos by the kernel itself (else the caller must have written it)."""
     fallback = triton is None or (q.device.type != "cuda" and not _interpreting())
     B, Hkv, G, D = q.shape
     L = kv.shape[2]
     if not fallback and (q.stride(-1) != 1 or kv.stride(-1) != 1 or kv.stride(3) != D
                          or key_bias.stride(-1) != 1):
         fallback = True
-    if not fallback and new_kv is not None and (new_kv.stride(-1) != 1 or new_kv.stride(2) != D):
+    if not fallback and new_kv is not None and new_kv.stride(-1) != 1:
         fallback = True
     if fallback:
         if new_kv is not None:
@@ -322,7 +323,8 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     _attn_split_kernel[(B * Hkv, S)](
         q, kv, key_bias, pos, out, m, l, acc, new, Hkv, chunk, float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
-        key_bias.stride(0), sb_h, new.stride(0), new.stride(1), G=G, GP=GP, D=D, BLOCK_N=bn,
+        key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
+        G=G, GP=GP, D=D, BLOCK_N=bn,
         SPLITS=S, WHILE=_interpreting(), FUSED=fused, num_warps=8 if bn * D * GP >= 8192 else 4)
     if S > 1:
         _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GP, D=D, SPLITS=S,

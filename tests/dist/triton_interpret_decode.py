@@ -12,10 +12,13 @@ gen = torch.Generator().manual_seed(0)
 for S in (1, 2, 4):
     dt.ATTN_SPLITS = S
     for B, Hkv, G, D, L, Hb in [(2, 3, 1, 16, 200, 3), (2, 2, 4, 32, 130, 1)]:
-        for p in (0, 63, 64, L - 1):
+        for p in (0, 63, 64, L - 2, L - 1):
             kv = torch.randn(B, Hkv, L, 2, D, generator=gen)
             q = torch.randn(B, Hkv, G, D, generator=gen)
-            new = torch.randn(B, Hkv, 3, D, generator=gen)[:, :, 1:3]   # strided like Bloom's qkv
+            if p % 2:   # Bloom's fused qkv [B, H, 3, D] ...
+                new = torch.randn(B, Hkv, 3, D, generator=gen)[:, :, 1:3]
+            else:       # ... and OPT's [B, 3, H, D]
+                new = torch.randn(B, 3, Hkv, D, generator=gen)[:, 1:3].transpose(1, 2)
             kb = torch.randn(B, Hb, L, generator=gen)
             kb[0, :, :3] = torch.finfo(kb.dtype).min
             pos = torch.tensor([p])
@@ -34,26 +37,41 @@ for rms in (False, True):
                     dt.add_norm_ref(y, r, w, None if rms else b, 1e-5, rms)):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
 print("kernels match their references")
-cfg = AutoConfig.for_model("bloom", vocab_size=300, hidden_size=64, n_layer=2, n_head=4)
-cfg.pad_token_id, cfg.eos_token_id = 0, 1
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_config(cfg).eval()
-g = torch.Generator().manual_seed(1)
-ids = torch.randint(3, 300, (3, 12), generator=g); mask = torch.ones_like(ids)
-ids[1, :4] = 0; mask[1, :4] = 0; ids[2, :9] = 0; mask[2, :9] = 0
-kw = dict(max_new_tokens=10, min_new_tokens=10, pad_token_id=0, eos_token_id=1)
-with torch.no_grad():
-    want = model.generate(ids, attention_mask=mask, do_sample=False, **kw)
-outs = {}
-for fused in (False, True):
-    dt.FUSE_KV_WRITE = fused
-    fg = decode.FastGenerator(model, max_prompt_len=12, max_new_tokens=10, attn_impl="triton", use_triton=True)
-    steps = []
-    fg.step_callback = lambda s, l: steps.append(l.clone())
-    outs[fused] = (fg.generate(ids, mask, **kw), torch.stack(steps))
-    print("fused", fused, "tokens equal HF:", torch.equal(outs[fused][0], want))
-a, b = outs[True][1], outs[False][1]; fin = torch.isfinite(b)
-assert torch.equal(fin, torch.isfinite(a))
-print("max logit diff fused vs not:", (a[fin] - b[fin]).abs().max().item())
-assert torch.equal(outs[True][0], want) and torch.equal(outs[False][0], want)
+CONFIGS = {
+    # large init std: greedy continuations that vary (tests/test_decode.py does the same)
+    "bloom": dict(vocab_size=300, hidden_size=64, n_layer=2, n_head=4, initializer_range=0.5),
+    "opt": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                max_position_embeddings=64, word_embed_proj_dim=64, init_std=0.5),
+}
+for family, kwargs in CONFIGS.items():
+    cfg = AutoConfig.for_model(family, **kwargs)
+    cfg.pad_token_id, cfg.eos_token_id = 0, 1
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 300, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1, :4] = 0
+    mask[1, :4] = 0
+    ids[2, :9] = 0
+    mask[2, :9] = 0
+    kw = dict(max_new_tokens=10, min_new_tokens=10, pad_token_id=0, eos_token_id=1)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    outs = {}
+    for fused in (False, True):
+        dt.FUSE_KV_WRITE = fused
+        fg = decode.FastGenerator(model, max_prompt_len=12, max_new_tokens=10, attn_impl="triton",
+                                  use_triton=True)
+        steps = []
+        fg.step_callback = lambda s, logits: steps.append(logits.clone())
+        outs[fused] = (fg.generate(ids, mask, **kw), torch.stack(steps))
+        print(family, "fused", fused, "tokens equal HF:", torch.equal(outs[fused][0], want))
+    a, b = outs[True][1], outs[False][1]
+    fin = torch.isfinite(b)
+    assert torch.equal(fin, torch.isfinite(a))
+    print(family, "max logit diff fused vs not:", (a[fin] - b[fin]).abs().max().item())
+    assert torch.equal(outs[True][0], want) and torch.equal(outs[False][0], want), family
+    assert len(set(want[:, 12:].flatten().tolist())) > 3, "degenerate continuation"
+dt.FUSE_KV_WRITE = False
 print("OK")
