@@ -82,6 +82,14 @@ def eval_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int = 1,
     return config
 
 
+def frozen_stage(explicit: int | None, trained_stage: int) -> int:
+    """ZeRO stage of a frozen model (reference / reward): the flag when given, else
+    upstream's rule (ZeRO-3 when the model it mirrors trains at ZeRO-3, else 0)."""
+    if explicit is not None:
+        return int(explicit)
+    return 3 if trained_stage == 3 else 0
+
+
 def zero_stage_of(ds_config: dict | None) -> int:
     return int(((ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
 

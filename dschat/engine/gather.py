@@ -590,6 +590,7 @@ def _gather_copy(groups: list[GatherGroup], binding: ReplicaBinding, scheduler: 
     Recorded seconds are the time the caller waited on gathers plus the releases.
     """
     def start(group: GatherGroup, prefetch: bool):
+        """(lease, PendingGather) of the group's gather, or None when a prefetch does not fit."""
         nbytes = sum(full_nbytes(p) for p in group.tensors() if _needs_gather(p))
         lease = None
         if nbytes:
@@ -597,27 +598,26 @@ def _gather_copy(groups: list[GatherGroup], binding: ReplicaBinding, scheduler: 
             if lease is None:
                 return None
         try:
-            return group, lease, PendingGather(group.tensors())
+            return lease, PendingGather(group.tensors())
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
 
     def finish(entry) -> None:
-        _, lease, pending = entry
+        lease, pending = entry
         try:
             pending.release()
         finally:
             if lease is not None:
                 lease.release()
 
-    ahead = None
+    ahead = None                   # groups[i]'s gather, started while groups[i - 1] was copied
     try:
         for i, group in enumerate(groups):
             t0 = time.perf_counter()
-            current = ahead if ahead is not None and ahead[0] is group else start(group, prefetch=False)
-            ahead = None
-            pending = current[2]
+            current, ahead = ahead or start(group, prefetch=False), None
+            pending = current[1]
             try:
                 pending.wait()
                 t1 = time.perf_counter()

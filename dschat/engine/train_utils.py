@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from dschat.engine.distributed import all_reduce_sum, rank, world_size
+from dschat.engine.distributed import all_reduce_sum, peak_memory_gib, rank, world_size
+from dschat.utils.logging import print_rank_0
 
 
 def make_loader(dataset: Dataset, batch_size: int, collate_fn=None, *, shuffle: bool,
@@ -25,6 +26,20 @@ def make_loader(dataset: Dataset, batch_size: int, collate_fn=None, *, shuffle: 
     # RNG, so where an epoch's iterator starts does not shift dropout (exact resume).
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
                       drop_last=drop_last, generator=torch.Generator().manual_seed(seed))
+
+
+def log_train_step(metrics, progress, engine, *, step: int, epoch: int, seconds: float, device,
+                   loss: float | None, skipped: int, print_loss: bool) -> None:
+    """The per-step record of steps 1 and 2 (lr, epoch, time, peak memory, updates skipped as
+    non-finite, and the loss unless this step's update was skipped) and the progress bar."""
+    record = {"train/lr": engine.get_lr()[0], "train/epoch": epoch, "time/step_s": seconds,
+              "memory/peak_gib": peak_memory_gib(device), "train/skipped_nonfinite": skipped}
+    if loss is not None:
+        record["train/loss"] = loss
+        progress.set_postfix(loss=f"{loss:.4f}")
+        if print_loss:
+            print_rank_0(f"epoch {epoch} step {step} loss {loss:.6f}")
+    metrics.log(step, record)
 
 
 def abandon_accumulation(engine) -> None:

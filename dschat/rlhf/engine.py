@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dschat.engine.config import eval_ds_config, train_ds_config
+from dschat.engine.config import eval_ds_config, frozen_stage, train_ds_config
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
 from dschat.engine.zero import gathered
 from dschat.models.lora import apply_lora
@@ -31,14 +31,6 @@ class RLHFEngines:
     hybrid: object         # dschat.engine.hybrid.HybridActor around `actor`
     actor_ds_config: dict
     critic_ds_config: dict
-
-
-def frozen_stage(explicit, trained_stage: int) -> int:
-    """ZeRO stage of a frozen model (reference / reward): the flag when given, else
-    upstream's rule (ZeRO-3 when the model it mirrors trains at ZeRO-3, else 0)."""
-    if explicit is not None:
-        return int(explicit)
-    return 3 if trained_stage == 3 else 0
 
 
 def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) -> RLHFEngines:
@@ -68,9 +60,8 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     print_rank_0(f"actor engine ready (ZeRO-{args.actor_zero_stage})")
 
     # reference: the SFT model, frozen
-    ref_cfg = eval_ds_config(zero_stage=frozen_stage(getattr(args, "reference_zero_stage", None),
-                                                       args.actor_zero_stage), dtype=args.dtype,
-                             offload=args.offload_reference_model)
+    ref_cfg = eval_ds_config(zero_stage=frozen_stage(args.reference_zero_stage, args.actor_zero_stage),
+                             dtype=args.dtype, offload=args.offload_reference_model)
     ref = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
     ref_engine, *_ = deepspeed.initialize(model=ref, config=ref_cfg)
 
@@ -93,9 +84,8 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     print_rank_0(f"critic engine ready (ZeRO-{args.critic_zero_stage})")
 
     # reward: the same reward model, frozen
-    reward_cfg = eval_ds_config(zero_stage=frozen_stage(getattr(args, "reward_zero_stage", None),
-                                                          args.critic_zero_stage), dtype=args.dtype,
-                                offload=args.offload_reward_model)
+    reward_cfg = eval_ds_config(zero_stage=frozen_stage(args.reward_zero_stage, args.critic_zero_stage),
+                                dtype=args.dtype, offload=args.offload_reward_model)
     reward = load_reward_model(args.critic_model_name_or_path, tokenizer, flag="--critic_model_name_or_path")
     reward_engine, *_ = deepspeed.initialize(model=reward, config=reward_cfg)
 

@@ -128,22 +128,14 @@ class PPOTrainer:
             logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(exp.seq, P))
             a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
                                            self.cfg.cliprange)
-        if self._may_update("actor_loss", a_loss, self.e.actor):
-            with record_function("dschat/train/actor_backward"):
-                self.e.actor.backward(a_loss)
-            with record_function("dschat/train/actor_step"):
-                self.e.actor.step()
+        self._update("actor", a_loss, self.e.actor)
 
         with record_function("dschat/train/critic_forward"):
             values = self.e.critic.module.forward_value(exp.seq, exp.attention_mask, return_value_only=True)
             values = pm.answer_slice(values, P)
             c_loss, c_clip = pm.critic_loss(values, exp.values, exp.returns, exp.action_mask,
                                             self.cfg.cliprange_value)
-        if self._may_update("critic_loss", c_loss, self.e.critic):
-            with record_function("dschat/train/critic_backward"):
-                self.e.critic.backward(c_loss)
-            with record_function("dschat/train/critic_step"):
-                self.e.critic.step()
+        self._update("critic", c_loss, self.e.critic)
         return {"actor_loss": a_loss.detach(), "critic_loss": c_loss.detach(),
                 "actor_clip_frac": a_clip, "critic_clip_frac": c_clip}
 
@@ -153,13 +145,18 @@ class PPOTrainer:
                               use_cache=False).logits
         tokens = (batch["labels"][:, 1:] != -100).sum().clamp(min=1)
         loss = lm_loss_sum(logits, batch["labels"]) / tokens
-        if self._may_update("unsup_loss", loss, self.e.actor):
-            self.e.actor.backward(self.cfg.unsup_coef * loss)
-            self.e.actor.step()
+        self._update("unsup", loss, self.e.actor, weight=self.cfg.unsup_coef)
         return loss.detach()
 
-    def _may_update(self, name: str, loss: torch.Tensor, engine) -> bool:
-        return self.update_guard is None or self.update_guard(name, loss, engine)
+    def _update(self, name: str, loss: torch.Tensor, engine, weight: float = 1.0) -> None:
+        """Backward and optimizer step of `engine` on `loss` (times `weight`), unless the
+        update guard skips it (it sees the unweighted loss as f"{name}_loss")."""
+        if self.update_guard is not None and not self.update_guard(f"{name}_loss", loss, engine):
+            return
+        with record_function(f"dschat/train/{name}_backward"):
+            engine.backward(loss if weight == 1.0 else weight * loss)
+        with record_function(f"dschat/train/{name}_step"):
+            engine.step()
 
     def after_actor_updates(self) -> None:
         """The actor's weights changed: the replica must be refilled; the EMA follows."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dschat.engine.config import frozen_stage
 from dschat.utils.errors import UserInputError
 from dschat.utils.flags import split_fractions
 
@@ -184,12 +185,10 @@ def step3_problems(args) -> list[str]:
     # ZeRO stages and offload
     if args.offload and args.actor_zero_stage == 0 and args.critic_zero_stage == 0:
         out.append("--offload needs --actor_zero_stage or --critic_zero_stage >= 1")
-    ref_stage = getattr(args, "reference_zero_stage", None)
-    reward_stage = getattr(args, "reward_zero_stage", None)
-    if args.offload_reference_model and (ref_stage == 0 or (ref_stage is None and args.actor_zero_stage != 3)):
+    if args.offload_reference_model and frozen_stage(args.reference_zero_stage, args.actor_zero_stage) != 3:
         out.append("--offload_reference_model needs the reference model at ZeRO-3: --actor_zero_stage 3 "
                    "(it follows the actor) or --reference_zero_stage 3; at stage 0 there is nothing to offload")
-    if args.offload_reward_model and (reward_stage == 0 or (reward_stage is None and args.critic_zero_stage != 3)):
+    if args.offload_reward_model and frozen_stage(args.reward_zero_stage, args.critic_zero_stage) != 3:
         out.append("--offload_reward_model needs the reward model at ZeRO-3: --critic_zero_stage 3 "
                    "(it follows the critic) or --reward_zero_stage 3")
     # LoRA

@@ -20,10 +20,10 @@ from tqdm import tqdm
 
 from dschat.data import create_prompt_dataset
 from dschat.engine.config import train_ds_config
-from dschat.engine.distributed import all_reduce_sum, init_distributed, peak_memory_gib, rank
+from dschat.engine.distributed import all_reduce_sum, init_distributed, rank
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
-from dschat.engine.train_utils import (abandon_accumulation, evaluate_lm, lm_loss_sum, make_loader,
-                                       micro_batch_groups, to_device, token_count)
+from dschat.engine.train_utils import (abandon_accumulation, evaluate_lm, lm_loss_sum, log_train_step,
+                                       make_loader, micro_batch_groups, to_device, token_count)
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import create_hf_model, load_tokenizer, save_hf_format
 from dschat.utils import flags
@@ -150,14 +150,8 @@ def main(argv=None):
             step += 1
             batches_done += len(group)
             progress.update(1)
-            record = {"train/lr": engine.get_lr()[0], "train/epoch": epoch, "time/step_s": time.time() - start,
-                      "memory/peak_gib": peak_memory_gib(device), "train/skipped_nonfinite": guard.skipped}
-            if loss is not None:
-                record["train/loss"] = loss
-                progress.set_postfix(loss=f"{loss:.4f}")
-                if args.print_loss:
-                    print_rank_0(f"epoch {epoch} step {step} loss {loss:.6f}")
-            metrics.log(step, record)
+            log_train_step(metrics, progress, engine, step=step, epoch=epoch, seconds=time.time() - start,
+                           device=device, loss=loss, skipped=guard.skipped, print_loss=args.print_loss)
             if args.eval_interval and step % args.eval_interval == 0:
                 result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
                 metrics.log(step, {"eval/loss": result["loss"], "eval/ppl": result["ppl"]})
