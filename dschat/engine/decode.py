@@ -25,7 +25,7 @@ How a generate call runs:
   eos/pad/min_new_tokens run on the GPU inside the step. On CUDA each step is replayed
   from a CUDA graph; the host syncs only every `check_every` steps to see whether all
   rows finished (never when min_new_tokens forces the whole length).
-- the decode attention defaults to the Triton kernel for head_dim <= 64 and to baddbmm in
+- the decode attention defaults to the Triton kernel for head_dim <= 128 and to baddbmm in
   HF's op order above (H200 measurements in benchmarks/RESULTS_decode.md); Bloom's prompt
   runs in HF's eager op order, so the first token's logits equal HF's.
 
@@ -236,11 +236,12 @@ class _DecodeBlock:
     @staticmethod
     def default_attention(head_dim: int, numerics: str, use_triton: bool) -> str:
         """Decode attention measured fastest among those whose seeded sampling reproduces
-        through captured graphs (H200, bf16, batch 16, 2026-11-29): the Triton kernel for
-        head_dim <= 64 (bloom-560m 1.38 ms/step vs 1.66 bmm, 1.73 SDPA-efficient), the
-        baddbmm path above (bloom-7b1 5.90 vs 6.32 Triton, 6.23 SDPA-efficient; also HF's
-        exact op order). cuDNN SDPA was faster still (1.27 / 5.37) but did not reproduce."""
-        if numerics == "fast" and use_triton and head_dim <= 64:
+        through captured graphs (H200, bf16): the Triton kernel up to head_dim 128 (one
+        layer at batch 16, keys 0..450: 9.8 us vs 25.2 baddbmm at head_dim 64, 38.2 vs
+        59.7 at 128, after the 2-warp launch sweep of 2026-11-29); baddbmm otherwise and
+        for numerics="hf" (HF's exact op order). cuDNN SDPA did not reproduce seeded
+        sampling through graphs (RESULTS_decode.md)."""
+        if numerics == "fast" and use_triton and head_dim <= 128:
             return "triton"
         return "bmm"
 

@@ -127,12 +127,17 @@ def _interpreting() -> bool:
 
 # ---------------------------------------------------------------------------- attention
 
-ATTN_SPLITS: "int | None" = None       # keys split across programs; None: chosen per shape
-ATTN_BLOCK_N = 64                      # keys per inner step (64 beat 128 at head_dim 64 on the H200)
+# Launch knobs; None: the per-shape choice below, from a sweep on the H200 (bf16, cache 512,
+# benchmarks/attn_bench.py, RESULTS_decode.md run 4).
+ATTN_SPLITS: "int | None" = None       # programs the keys of one (row, head) are split over
+ATTN_BLOCK_N: "int | None" = None      # keys per inner step: 128 for head_dim <= 64, else 64
+ATTN_WARPS: "int | None" = None        # 2 warps where one query head reads each K/V head
+ATTN_STAGES: "int | None" = None       # software-pipelining stages of the key loop; None: Triton's
 # The attention kernel writes the step's K/V into the cache itself (one kernel less per
-# layer; the Bloom and OPT blocks, where the decode attention is the Triton one). Checked
-# against the reference in Triton's CPU interpreter; off until timed on a GPU.
-FUSE_KV_WRITE = False
+# layer; the Bloom and OPT blocks, where the decode attention is the Triton one). H200,
+# bloom-560m bf16: 1.311 vs 1.382 ms/step at batch 16, 2.174 vs 2.210 at batch 64
+# (benchmarks/RESULTS_decode.md, run 4).
+FUSE_KV_WRITE = True
 
 
 def decode_attention_ref(q, kv, key_bias, pos, scale: float):
@@ -268,19 +273,27 @@ if triton is not None:
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=(offs_g < G)[:, None])
 
 
-def _splits(B: int, Hkv: int, L: int, device) -> int:
+def _splits(B: int, Hkv: int, L: int, block_n: int) -> int:
+    """About 1024 programs (8 per SM of an H200), each with at least one key block: the
+    sweep's best at batch 16 and 64 for head_dim 64 (4 and 1 splits) and 128 (2)."""
     if ATTN_SPLITS is not None:
         return ATTN_SPLITS
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     s = 1
-    # enough programs to give every SM about four, each with at least one key block
-    while B * Hkv * s < 4 * sms and L // (2 * s) >= 64 and s < 16:
+    while B * Hkv * s < 1024 and L // (2 * s) >= block_n and s < 16:
         s *= 2
     return s
 
 
 def _block_n(D: int) -> int:
     return ATTN_BLOCK_N or (128 if D <= 64 else 64)
+
+
+def _warps(block_n: int, D: int, GP: int) -> int:
+    if ATTN_WARPS:
+        return ATTN_WARPS
+    if GP == 1:      # 2 beat 4 and 8 at every shape of the sweep (fewer idle lanes per GEMV)
+        return 2
+    return 8 if block_n * D * GP >= 8192 else 4   # grouped queries: not swept
 
 
 def write_kv_ref(kv, new_kv, pos) -> None:
@@ -307,8 +320,8 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
             write_kv_ref(kv, new_kv, pos)
         return decode_attention_ref(q, kv, key_bias, pos, scale)
     GP = max(1, triton.next_power_of_2(G))
-    S = _splits(B, Hkv, L, q.device)
     bn = _block_n(D)
+    S = _splits(B, Hkv, L, bn)
     chunk = triton.cdiv(triton.cdiv(L, S), bn) * bn
     out = torch.empty(B, Hkv * G * D, dtype=q.dtype, device=q.device)
     if S > 1:
@@ -320,12 +333,14 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     sb_h = 0 if key_bias.shape[1] == 1 else key_bias.stride(1)
     fused = new_kv is not None
     new = new_kv if fused else q
+    stages = {"num_stages": ATTN_STAGES} if ATTN_STAGES else {}
     _attn_split_kernel[(B * Hkv, S)](
         q, kv, key_bias, pos, out, m, l, acc, new, Hkv, chunk, float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
         G=G, GP=GP, D=D, BLOCK_N=bn,
-        SPLITS=S, WHILE=_interpreting(), FUSED=fused, num_warps=8 if bn * D * GP >= 8192 else 4)
+        SPLITS=S, WHILE=_interpreting(), FUSED=fused,
+        num_warps=_warps(bn, D, GP), **stages)
     if S > 1:
         _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GP, D=D, SPLITS=S,
                                          num_warps=4)

@@ -64,6 +64,7 @@ def add_model_train_args(parser: argparse.ArgumentParser, *, learning_rate: floa
     g.add_argument("--dtype", type=str, default="fp16", choices=DTYPE_CHOICES,
                    help="Training precision (fp32 on CPU).")
     g.add_argument("--zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage.")
+    add_zero3_hooks_arg(g)
     g.add_argument("--compute_fp32_loss", action="store_true",
                    help="Kept for DS-Chat compatibility: losses are always computed in fp32.")
     g.add_argument("--print_loss", action="store_true", help="Print the loss of every step.")
@@ -73,6 +74,13 @@ def add_model_train_args(parser: argparse.ArgumentParser, *, learning_rate: floa
     g.add_argument("--add_eot_token", action="store_true",
                    help="Add --eot_token to the tokenizer and end every answer with it.")
     g.add_argument("--eot_token", type=str, default="<|endoftext|>", help="End-of-turn token.")
+
+
+def add_zero3_hooks_arg(g) -> None:
+    g.add_argument("--zero3_hook_granularity", type=str, default="block", choices=("block", "module"),
+                   help="ZeRO-3 parameter gathering unit: 'block' gathers and releases each transformer "
+                        "block whole (one hook per block; far less host time per step, same numbers); "
+                        "'module' keeps DeepSpeed's hooks on every linear and norm.")
 
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:

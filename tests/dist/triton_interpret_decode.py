@@ -42,6 +42,9 @@ CONFIGS = {
     "bloom": dict(vocab_size=300, hidden_size=64, n_layer=2, n_head=4, initializer_range=0.5),
     "opt": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
                 max_position_embeddings=64, word_embed_proj_dim=64, init_std=0.5),
+    # grouped queries (2 query heads per K/V head); no fused K/V write in this block
+    "llama": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, initializer_range=0.5),
 }
 for family, kwargs in CONFIGS.items():
     cfg = AutoConfig.for_model(family, **kwargs)

@@ -22,6 +22,7 @@ from dschat.data import create_prompt_dataset
 from dschat.engine.config import train_ds_config
 from dschat.engine.distributed import all_reduce_sum, init_distributed, rank
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
+from dschat.engine.zero import use_block_granularity
 from dschat.engine.train_utils import (abandon_accumulation, evaluate_lm, lm_loss_sum, log_train_step,
                                        make_loader, micro_batch_groups, to_device, token_count)
 from dschat.models.lora import apply_lora
@@ -57,6 +58,7 @@ def build_engine(args, tokenizer, ds_config, num_update_steps):
                                 lora_lr=args.lora_learning_rate, offload=args.offload)
     scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
                                    num_update_steps)
+    use_block_granularity(ds_config, model, args.zero3_hook_granularity)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=ds_config, dist_init_required=True)
     return engine

@@ -113,6 +113,7 @@ def parse_args(argv=None):
     g.add_argument("--reward_zero_stage", type=int, default=None, choices=(0, 3),
                    help="ZeRO stage of the frozen reward model. Default: 3 when --critic_zero_stage "
                         "is 3, else 0. 0 keeps a whole copy on every GPU (faster scoring, more memory).")
+    flags.add_zero3_hooks_arg(g)
     g.add_argument("--actor_gradient_checkpointing", action="store_true", help="Actor activation checkpointing.")
     g.add_argument("--critic_gradient_checkpointing", action="store_true", help="Critic activation checkpointing.")
     g.add_argument("--actor_dropout", type=float, default=None, help="Actor dropout override.")
