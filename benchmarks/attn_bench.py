@@ -2,7 +2,8 @@
 
 Times one decode step's attention for one layer, replayed from a CUDA graph as the fast
 path runs it, for the Triton flash-decoding kernel over its launch knobs (key splits,
-keys per block, warps, pipelining stages, fused K/V write) and for the baddbmm path,
+keys per block, warps, pipelining stages, fused K/V write, the split programs combining
+their partials themselves) and for the baddbmm path,
 at the shapes of benchmarks/decode_bench.py. Prints a table with microseconds per call
 and the bandwidth reached over the K/V bytes read. Also checks every variant against
 the PyTorch reference (max abs difference).
@@ -90,14 +91,21 @@ def main():
                 continue
             variants.append((f"triton s{splits} bn{bn} w{warps} st{stages or '-'}{' fusedkv' if fused else ''}",
                              dict(impl="triton", splits=splits, bn=bn, warps=warps, stages=stages, fused=fused)))
+        variants.append(("triton rule", dict(impl="triton", splits=None, bn=None, warps=None, stages=None,
+                                             fused=True)))
+        variants.append(("triton rule inline-combine", dict(impl="triton", splits=None, bn=None, warps=None,
+                                                            stages=None, fused=True, inline=True)))
+        for splits in (2, 4, 8):
+            variants.append((f"triton s{splits} rule inline-combine",
+                             dict(impl="triton", splits=splits, bn=None, warps=None, stages=None, fused=True,
+                                  inline=True)))
         for stages in (1, 2, 4):
-            variants.append((f"triton auto st{stages} fusedkv", dict(impl="triton", splits=None, bn=64, warps=None,
-                                                                     stages=stages, fused=True)))
-        variants.append(("triton auto", dict(impl="triton", splits=None, bn=64, warps=None, stages=None, fused=False)))
-        variants.append(("triton auto fusedkv", dict(impl="triton", splits=None, bn=64, warps=None, stages=None,
-                                                     fused=True)))
+            variants.append((f"triton rule st{stages}", dict(impl="triton", splits=None, bn=None, warps=None,
+                                                             stages=stages, fused=True)))
+        variants.append(("triton rule, K/V written apart", dict(impl="triton", splits=None, bn=None, warps=None,
+                                                                stages=None, fused=False)))
         if args.smoke:
-            variants = variants[:3] + variants[-2:]
+            variants = variants[:2] + [v for v in variants if "rule" in v[0]]
         for label, v in variants:
             try:
                 if v["impl"] == "bmm":
@@ -109,6 +117,7 @@ def main():
                 else:
                     dt.ATTN_SPLITS, dt.ATTN_BLOCK_N = v["splits"], v["bn"]
                     dt.ATTN_WARPS, dt.ATTN_STAGES = v["warps"], v["stages"]
+                    dt.ATTN_INLINE_COMBINE = v.get("inline", False)
                     if v["fused"]:
                         def fn():
                             return dt.decode_attention(q, kv, bias, p, scale, new_kv=new)
@@ -123,12 +132,13 @@ def main():
                 rows.append(dict(shape=name, pos=pos, variant=label, us=float("nan"), tb_s=0.0,
                                  err=float("nan"), error=f"{type(exc).__name__}: {str(exc)[:120]}"))
         dt.ATTN_SPLITS, dt.ATTN_BLOCK_N, dt.ATTN_WARPS, dt.ATTN_STAGES = None, None, None, None
+        dt.ATTN_INLINE_COMBINE = False
         best = sorted((r for r in rows if r["shape"] == name and r["pos"] == pos and r["us"] == r["us"]),
                       key=lambda r: r["us"])[:8]
         print(f"{name} pos {pos}: " + "; ".join(f"{r['variant']} {r['us']:.2f}us" for r in best), flush=True)
-        print("   bmm / auto / auto fused: " + "; ".join(
+        print("   bmm / rule / rule inline-combine: " + "; ".join(
             f"{r['variant']} {r['us']:.2f}us" for r in rows if r["shape"] == name and r["pos"] == pos
-            and (r["variant"].startswith("bmm") or "auto" in r["variant"])), flush=True)
+            and (r["variant"].startswith("bmm") or "rule" in r["variant"])), flush=True)
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)"
     lines = [f"{device} torch {torch.__version__}; one layer's decode attention, "
              "bf16, replayed from a CUDA graph", "",

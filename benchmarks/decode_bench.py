@@ -171,7 +171,8 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
-    saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE)
+    saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
+             dtr.ATTN_INLINE_COMBINE)
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -181,10 +182,15 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             decode.DECODE_SDPA_BACKENDS = None
         if f == "fusedkv":
             dtr.FUSE_KV_WRITE = True
+        if f == "nofusedkv":
+            dtr.FUSE_KV_WRITE = False
+        if f == "inline":           # split programs combine their partials (no combine kernel)
+            dtr.ATTN_INLINE_COMBINE = True
     try:
         return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
     finally:
-        dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE = saved
+        (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
+         dtr.ATTN_INLINE_COMBINE) = saved
 
 
 def _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample):
@@ -334,7 +340,8 @@ def table(rows, bw, device):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--plan", default="full", help="full | quick | tune | kvfuse | smoke | comma list of preset:dtype:batch")
+    ap.add_argument("--plan", default="full",
+                    help="full | quick | tune | kvfuse | inline | smoke | comma list of preset:dtype:batch")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--numerics", default="fast,hf")
@@ -374,6 +381,11 @@ def main():
         plan = [("bloom-560m", bf16, 16, variants, True, True, None),
                 ("bloom-560m", bf16, 64, ["fast:triton", "fast:triton:fusedkv"], True, False, None),
                 ("bloom-7b1", bf16, 16, ["fast", "fast:triton", "fast:triton:fusedkv"], True, False, None)]
+    elif args.plan == "inline":   # the split programs combining their partials themselves
+        plan = [("bloom-560m", bf16, 16, ["fast", "fast:inline", "fast:s2:inline", "fast:s8:inline"], True, True,
+                 None),
+                ("bloom-560m", bf16, 64, ["fast", "fast:s2:inline"], True, False, None),
+                ("bloom-7b1", bf16, 16, ["fast", "fast:inline", "fast:s4:inline", "fast:s1"], True, False, None)]
     elif args.plan == "quick":
         plan = [("bloom-560m", bf16, 16, nums, True, True, None)]
     else:

@@ -132,6 +132,11 @@ def _interpreting() -> bool:
 ATTN_SPLITS: "int | None" = None       # programs the keys of one (row, head) are split over
 ATTN_BLOCK_N: "int | None" = None      # keys per inner step: 128 for head_dim <= 64, else 64
 ATTN_WARPS: "int | None" = None        # 2 warps where one query head reads each K/V head
+# Split programs combine their partial softmaxes themselves: the last of a (row, head)'s
+# programs to finish (an atomic arrival counter) merges them, so no combine kernel is
+# launched (one kernel less per layer and step). Checked in Triton's CPU interpreter; off
+# until timed on a GPU (`benchmarks/attn_bench.py` has the variant).
+ATTN_INLINE_COMBINE = False
 ATTN_STAGES: "int | None" = None       # software-pipelining stages of the key loop; None: Triton's
 # The attention kernel writes the step's K/V into the cache itself (one kernel less per
 # layer; the Bloom and OPT blocks, where the decode attention is the Triton one). H200,
@@ -186,12 +191,33 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, bh, Hkv, G: tl.constexpr, GP: tl.constexpr,
+                        D: tl.constexpr, SPLITS: tl.constexpr):
+        """out[b, h] = the softmax-weighted merge of the SPLITS partials of program row bh."""
+        b = bh // Hkv
+        h = bh % Hkv
+        offs_s = tl.arange(0, SPLITS)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        rows = (bh * SPLITS + offs_s[:, None]) * GP + offs_g[None, :]        # [S, GP]
+        # .cg: read from L2, where the other programs' partials landed (never a stale L1 line)
+        m = tl.load(m_ptr + rows, cache_modifier=".cg")
+        l = tl.load(l_ptr + rows, cache_modifier=".cg")
+        m_max = tl.max(m, axis=0)                                           # [GP]
+        w = tl.exp(m - m_max[None, :])                                       # empty splits: 0
+        denom = tl.sum(w * l, axis=0)
+        acc = tl.load(acc_ptr + rows[:, :, None] * D + offs_d[None, None, :], cache_modifier=".cg")
+        out = tl.sum(w[:, :, None] * acc, axis=0) / denom[:, None]
+        o_ptr = out_ptr + b * (Hkv * G * D) + (h * G + offs_g[:, None]) * D + offs_d[None, :]
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=(offs_g < G)[:, None])
+
+    @triton.jit
     def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, new_ptr,
-                           Hkv, chunk, scale,
+                           count_ptr, Hkv, chunk, scale,
                            sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h, sn_b, sn_h, sn_v,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
-                           FUSED: tl.constexpr):
+                           FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
@@ -250,27 +276,20 @@ if triton is not None:
             tl.store(m_ptr + row + offs_g, m_i)
             tl.store(l_ptr + row + offs_g, l_i)
             tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc)
+            if INLINE_COMBINE:
+                # every thread's partial stores precede the arrival (barrier, then the
+                # atomic's release at GPU scope); the last arrival merges and re-arms the counter
+                tl.debug_barrier()
+                arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
+                if arrived == SPLITS - 1:
+                    _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, bh, Hkv, G, GP, D, SPLITS)
+                    tl.atomic_xchg(count_ptr + bh, 0)
 
     @triton.jit
     def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, Hkv,
                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                              SPLITS: tl.constexpr):
-        bh = tl.program_id(0)
-        b = bh // Hkv
-        h = bh % Hkv
-        offs_s = tl.arange(0, SPLITS)
-        offs_g = tl.arange(0, GP)
-        offs_d = tl.arange(0, D)
-        rows = (bh * SPLITS + offs_s[:, None]) * GP + offs_g[None, :]        # [S, GP]
-        m = tl.load(m_ptr + rows)
-        l = tl.load(l_ptr + rows)
-        m_max = tl.max(m, axis=0)                                           # [GP]
-        w = tl.exp(m - m_max[None, :])                                       # empty splits: 0
-        denom = tl.sum(w * l, axis=0)
-        acc = tl.load(acc_ptr + rows[:, :, None] * D + offs_d[None, None, :])   # [S, GP, D]
-        out = tl.sum(w[:, :, None] * acc, axis=0) / denom[:, None]
-        o_ptr = out_ptr + b * (Hkv * G * D) + (h * G + offs_g[:, None]) * D + offs_d[None, :]
-        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=(offs_g < G)[:, None])
+        _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0), Hkv, G, GP, D, SPLITS)
 
 
 def _splits(B: int, Hkv: int, L: int, block_n: int) -> int:
@@ -294,6 +313,22 @@ def _warps(block_n: int, D: int, GP: int) -> int:
     if GP == 1:      # 2 beat 4 and 8 at every shape of the sweep (fewer idle lanes per GEMV)
         return 2
     return 8 if block_n * D * GP >= 8192 else 4   # grouped queries: not swept
+
+
+_COUNTERS: dict = {}
+
+
+def _arrival_counters(n: int, device) -> "torch.Tensor | None":
+    """Zeroed int32 counters, one per (row, head), kept for the process: the kernel leaves
+    them at zero again, so one allocation serves every call and every captured graph.
+    None while a graph is being captured and none exist yet (a zero fill recorded into
+    one graph would not have run for another): the caller launches the combine kernel."""
+    key = (str(device), n)
+    if key not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def write_kv_ref(kv, new_kv, pos) -> None:
@@ -334,14 +369,17 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     fused = new_kv is not None
     new = new_kv if fused else q
     stages = {"num_stages": ATTN_STAGES} if ATTN_STAGES else {}
+    count = _arrival_counters(B * Hkv, q.device) if ATTN_INLINE_COMBINE and S > 1 else None
+    inline = count is not None
+    count = count if inline else m
     _attn_split_kernel[(B * Hkv, S)](
-        q, kv, key_bias, pos, out, m, l, acc, new, Hkv, chunk, float(scale),
+        q, kv, key_bias, pos, out, m, l, acc, new, count, Hkv, chunk, float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
         G=G, GP=GP, D=D, BLOCK_N=bn,
-        SPLITS=S, WHILE=_interpreting(), FUSED=fused,
+        SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline,
         num_warps=_warps(bn, D, GP), **stages)
-    if S > 1:
+    if S > 1 and not inline:
         _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GP, D=D, SPLITS=S,
                                          num_warps=4)
     return out

@@ -9,8 +9,8 @@ assert dt.available() and dt._interpreting()
 
 # kernels against their references: shapes with G = 1 (Bloom) and grouped queries
 gen = torch.Generator().manual_seed(0)
-for S in (1, 2, 4):
-    dt.ATTN_SPLITS = S
+for S, inline in ((1, False), (2, False), (4, False), (2, True), (4, True)):
+    dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE = S, inline
     for B, Hkv, G, D, L, Hb in [(2, 3, 1, 16, 200, 3), (2, 2, 4, 32, 130, 1)]:
         for p in (0, 63, 64, L - 2, L - 1):
             kv = torch.randn(B, Hkv, L, 2, D, generator=gen)
@@ -29,7 +29,9 @@ for S in (1, 2, 4):
             dt.write_kv_ref(kv_ref, new, pos)
             assert torch.equal(kv_fused, kv_ref), ("fused K/V write", S, B, G, p)
             torch.testing.assert_close(got, dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1), atol=1e-5, rtol=1e-5)
-dt.ATTN_SPLITS = None
+    if inline:   # the last arrival re-armed every counter
+        assert all(int(c.abs().sum()) == 0 for c in dt._COUNTERS.values()), dt._COUNTERS
+dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE = None, False
 for rms in (False, True):
     y, r, w, b = torch.randn(4, 96, generator=gen), torch.randn(4, 96, generator=gen), \
         torch.randn(96, generator=gen), torch.randn(96, generator=gen)
@@ -64,6 +66,7 @@ for family, kwargs in CONFIGS.items():
     outs = {}
     for fused in (False, True):
         dt.FUSE_KV_WRITE = fused
+        dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE = (2, True) if fused else (None, False)
         fg = decode.FastGenerator(model, max_prompt_len=12, max_new_tokens=10, attn_impl="triton",
                                   use_triton=True)
         steps = []
@@ -76,5 +79,5 @@ for family, kwargs in CONFIGS.items():
     print(family, "max logit diff fused vs not:", (a[fin] - b[fin]).abs().max().item())
     assert torch.equal(outs[True][0], want) and torch.equal(outs[False][0], want), family
     assert len(set(want[:, 12:].flatten().tolist())) > 3, "degenerate continuation"
-dt.FUSE_KV_WRITE = False
+dt.FUSE_KV_WRITE, dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE = False, None, False
 print("OK")
