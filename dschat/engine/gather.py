@@ -30,9 +30,10 @@ a new gather out is a nesting error (`GatherBudgetError`), since waiting would
 deadlock. Prefetches use `try_lease` and are simply skipped when they do not fit. The
 default budget is unlimited (None); every lease is still recorded.
 
-Scoring path (reference / critic / reward): by default these stay with ZeRO's own hooks.
-Their one forward per experience batch fetches every layer once, the same bytes as a
-full gather, with ZeRO's prefetch overlapping it and no extra copy in memory; the
+Scoring path (reference / critic / reward): by default these stay with ZeRO's own hooks,
+one per transformer block (`dschat.engine.zero.use_block_granularity`). Their one forward
+per experience batch fetches every layer once, the same bytes as a full gather, with
+ZeRO's prefetch overlapping it and no extra copy in memory; the
 actor's log-prob pass reuses the actor's replica instead (`HybridActor.log_probs`).
 `gathered(module)` is there for a frozen model small enough to hold whole: one coalesced
 gather under the budget, then forwards without per-module fetches.
