@@ -167,12 +167,13 @@ def hf_run(model, ids, mask, T, keep_logits):
 def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     _reset_peak()
     # e.g. fast, fast:sdpa, fast:sdpa:notriton, fast:sdpa:cudnn, fast:triton:s8:bn64, hf;
-    # "fusedkv": the Triton attention writes the step's K/V itself (decode_triton.FUSE_KV_WRITE)
+    # "fusedkv" / "nofusedkv": the Triton attention writes the step's K/V itself or not
+    # (decode_triton.FUSE_KV_WRITE); "inline": no combine kernel; "tlin": Triton decode linears
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
     saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-             dtr.ATTN_INLINE_COMBINE)
+             dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR)
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -186,11 +187,13 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr.FUSE_KV_WRITE = False
         if f == "inline":           # split programs combine their partials (no combine kernel)
             dtr.ATTN_INLINE_COMBINE = True
+        if f == "tlin":             # the decode linears in decode_triton.linear (Bloom)
+            dtr.DECODE_LINEAR = True
     try:
         return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
     finally:
         (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-         dtr.ATTN_INLINE_COMBINE) = saved
+         dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR) = saved
 
 
 def _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample):
@@ -341,7 +344,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--plan", default="full",
-                    help="full | quick | tune | kvfuse | inline | smoke | comma list of preset:dtype:batch")
+                    help="full | quick | tune | kvfuse | candidates | smoke | comma list of preset:dtype:batch")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--numerics", default="fast,hf")
@@ -381,11 +384,12 @@ def main():
         plan = [("bloom-560m", bf16, 16, variants, True, True, None),
                 ("bloom-560m", bf16, 64, ["fast:triton", "fast:triton:fusedkv"], True, False, None),
                 ("bloom-7b1", bf16, 16, ["fast", "fast:triton", "fast:triton:fusedkv"], True, False, None)]
-    elif args.plan == "inline":   # the split programs combining their partials themselves
-        plan = [("bloom-560m", bf16, 16, ["fast", "fast:inline", "fast:s2:inline", "fast:s8:inline"], True, True,
-                 None),
-                ("bloom-560m", bf16, 64, ["fast", "fast:s2:inline"], True, False, None),
-                ("bloom-7b1", bf16, 16, ["fast", "fast:inline", "fast:s4:inline", "fast:s1"], True, False, None)]
+    elif args.plan == "candidates":   # in-kernel split combine, Triton decode linears (both off by default)
+        plan = [("bloom-560m", bf16, 16, ["fast", "fast:inline", "fast:tlin", "fast:inline:tlin", "fast:s8:inline"],
+                 True, True, None),
+                ("bloom-560m", fp32, 16, ["fast:inline:tlin"], True, False, None),
+                ("bloom-560m", bf16, 64, ["fast", "fast:inline:tlin"], True, False, None),
+                ("bloom-7b1", bf16, 16, ["fast", "fast:inline", "fast:tlin", "fast:inline:tlin"], True, False, None)]
     elif args.plan == "quick":
         plan = [("bloom-560m", bf16, 16, nums, True, True, None)]
     else:

@@ -2,7 +2,7 @@
 # One device call of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
 # on the GPU machine with the wheels of ../shared/tools/device_wheels.sh in .whl/:
 #   bash benchmarks/device_run.sh gen|step3|decode OUT_DIR
-# decode: the attention kernel sweep (attn_bench.py), then the in-kernel split combine end to end
+# decode: the attention and linear kernel sweeps, then the off-by-default candidates end to end
 set -uo pipefail
 what=${1:-gen}; out=${2:-/tmp/bench_out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
@@ -15,7 +15,8 @@ if [ "$what" = gen ]; then
   python3 benchmarks/generation.py --models bloom-1b7 opt-1.3b llama-7b --batch 16 --modes hf unwrap generic fast --out "$out/gen" 2>&1 | grep -v -i warn
 elif [ "$what" = decode ]; then
   python3 benchmarks/attn_bench.py --out "$out" 2>&1 | grep -v -i warn
-  python3 benchmarks/decode_bench.py --plan inline --profile bloom-560m --out "$out" 2>&1 | grep -v -i warn
+  python3 benchmarks/linear_bench.py --out "$out" 2>&1 | grep -v -i warn
+  python3 benchmarks/decode_bench.py --plan candidates --profile bloom-560m --out "$out" 2>&1 | grep -v -i warn
 else
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --profile_step 4 --out "$out/step3.md" 2>&1 | grep -v -i warn
 fi

@@ -223,6 +223,10 @@ class _DecodeBlock:
         self.config = model.config
         self.fam = family_of(model)
         self.numerics = numerics
+        # the decode step's linears in one Triton kernel each where enabled (Bloom so far;
+        # 2-D inputs only, so the prompt's 3-D ones and numerics "hf" keep F.linear)
+        self.lin = decode_triton.linear if (use_triton and numerics == "fast"
+                                            and decode_triton.DECODE_LINEAR) else _lin
         self.fuse_qkv = fuse_qkv
         self.on_cuda = on_cuda
         self._derived: dict[str, torch.Tensor] = {}
@@ -364,6 +368,8 @@ class _BloomBlock(_DecodeBlock):
             if self.use_triton and y.dim() == 2:
                 return decode_triton.hf_gelu(y)
             return decode_triton.hf_gelu_ref(y)
+        if self.lin is not _lin and h.dim() == 2:
+            return decode_triton.linear(h, *fc1, gelu=True)
         if self.gelu_epilogue and h.dim() == 2 and h.shape[0] > 1:
             # cuBLASLt bias+GELU(tanh) epilogue: one kernel instead of two
             return torch._addmm_activation(fc1[1], h, fc1[0].t(), use_gelu=True)
@@ -376,10 +382,10 @@ class _BloomBlock(_DecodeBlock):
         h = self._ln(x, self.layers[0]["ln1"])
         for li, lay in enumerate(self.layers):
             res = h if self.post_ln_residual else x
-            x, h = add_norm(_lin(attend(li, h), *lay["dense"]), res, *lay["ln2"], rms=False)
+            x, h = add_norm(self.lin(attend(li, h), *lay["dense"]), res, *lay["ln2"], rms=False)
             res = h if self.post_ln_residual else x
             nxt = self.ln_f if li == last else self.layers[li + 1]["ln1"]
-            y = _lin(self._mlp_up(h, lay["fc1"], exact), *lay["fc2"])
+            y = self.lin(self._mlp_up(h, lay["fc1"], exact), *lay["fc2"])
             x, h = add_norm(y, res, *nxt, rms=False)
         return h
 
@@ -405,7 +411,7 @@ class _BloomBlock(_DecodeBlock):
         H, D = self.n_heads, self.head_dim
 
         def attend(li, h):
-            qkv = _lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
+            qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
                 return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
                                                       new_kv=qkv[:, :, 1:3])
@@ -414,7 +420,7 @@ class _BloomBlock(_DecodeBlock):
                                   pos)
         h = self._body(self._ln(F.embedding(tok, self.embed), self.emb_ln), attend,
                        exact=self.numerics == "hf")
-        return _lin(h, self.head)
+        return self.lin(h, self.head)
 
 
 @register_block("opt")

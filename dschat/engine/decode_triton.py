@@ -383,3 +383,92 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GP, D=D, SPLITS=S,
                                          num_warps=4)
     return out
+
+
+# ---------------------------------------------------------------------------- linear
+
+# The decode step's linears multiply a few rows (the batch) by a whole weight: bound by
+# reading the weight, and at bloom-560m sizes (2-8 MB) cuBLAS took ~5 us each, a third of
+# the copy bandwidth (RESULTS_decode.md), plus a split-K reduce kernel for the K=4096 ones.
+# `linear` is a one-kernel alternative for up to 64 rows: each program owns BLOCK_N output
+# columns and walks all of K (no split-K, no second kernel), bias and tanh-GELU in its
+# epilogue. Off until timed on a GPU (`benchmarks/linear_bench.py`); checked in Triton's
+# CPU interpreter against F.linear.
+DECODE_LINEAR = False
+LINEAR_BLOCK_N: "int | None" = None   # None: the widest of 64/32/16 giving 2 programs per SM
+LINEAR_BLOCK_K = 128
+LINEAR_WARPS = 4
+LINEAR_STAGES: "int | None" = None
+
+
+def linear_ref(x, w, b=None, gelu: bool = False):
+    y = F.linear(x, w, b)
+    return F.gelu(y, approximate="tanh") if gelu else y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_B: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr,
+                       IEEE: tl.constexpr):
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < K
+            x = tl.load(x_ptr + offs_m[:, None] * sx + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + offs_n[None, :] * sw + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if not LIBDEVICE:         # Triton's CPU interpreter gets bf16 dots wrong (3.9)
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            if IEEE:                  # fp32 models: full-precision products, not TF32
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
+        if HAS_B:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GELU:                                        # tanh-GELU in fp32, as cuBLASLt's epilogue
+            u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            if LIBDEVICE:
+                t = libdevice.tanh(u)
+            else:
+                t = 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
+            acc = 0.5 * acc * (1.0 + t)
+        tl.store(y_ptr + offs_m[:, None] * sy + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _linear_block_n(N: int) -> int:
+    if LINEAR_BLOCK_N:
+        return LINEAR_BLOCK_N
+    for bn in (64, 32):
+        if triton.cdiv(N, bn) >= 264:               # 2 programs per SM of an H200
+            return bn
+    return 16
+
+
+def linear(x, w, b=None, gelu: bool = False):
+    """y = x @ w.T (+ b) (then tanh-GELU) for 2-D x of at most 64 rows on CUDA in one
+    Triton kernel; anything else goes to `linear_ref` (F.linear)."""
+    if (triton is None or x.dim() != 2 or x.shape[0] > 64 or x.stride(-1) != 1 or w.stride(-1) != 1
+            or (x.device.type != "cuda" and not _interpreting())):
+        return linear_ref(x, w, b, gelu)
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    bn = _linear_block_n(N)
+    stages = {"num_stages": LINEAR_STAGES} if LINEAR_STAGES else {}
+    _linear_kernel[(triton.cdiv(N, bn),)](
+        x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=LINEAR_BLOCK_K,
+        HAS_B=b is not None, GELU=bool(gelu), LIBDEVICE=not _interpreting(),
+        IEEE=x.dtype == torch.float32, num_warps=LINEAR_WARPS,
+        **stages)
+    return y
+

@@ -1,7 +1,8 @@
 """The decode step's Triton kernels in Triton's CPU interpreter (run with TRITON_INTERPRET=1;
 tests/test_decode.py starts it): the attention kernel with and without the fused K/V write
-against the PyTorch reference (cache contents and outputs), the fused add+norm, then
-FastGenerator with the Triton attention against HF generate (fp32 tokens)."""
+against the PyTorch reference (cache contents and outputs), the fused add+norm, the decode
+linear, then FastGenerator with the Triton attention (and, for Bloom, the Triton linears)
+against HF generate (fp32 tokens)."""
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from dschat.engine import decode, decode_triton as dt
@@ -38,6 +39,15 @@ for rms in (False, True):
     for a, e in zip(dt.add_norm(y, r, w, None if rms else b, 1e-5, rms),
                     dt.add_norm_ref(y, r, w, None if rms else b, 1e-5, rms)):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+for M, N, K in [(3, 40, 70), (16, 96, 256), (1, 17, 33)]:        # the decode linear
+    for gelu, bias in ((False, False), (False, True), (True, True)):
+        x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen) / K ** 0.5
+        b = torch.randn(N, generator=gen) if bias else None
+        for bn in (16, 32):
+            dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K = bn, 32
+            torch.testing.assert_close(dt.linear(x, w, b, gelu), dt.linear_ref(x, w, b, gelu),
+                                       atol=1e-4, rtol=1e-4)
+dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K = None, 128
 print("kernels match their references")
 CONFIGS = {
     # large init std: greedy continuations that vary (tests/test_decode.py does the same)
@@ -73,6 +83,14 @@ for family, kwargs in CONFIGS.items():
         fg.step_callback = lambda s, logits: steps.append(logits.clone())
         outs[fused] = (fg.generate(ids, mask, **kw), torch.stack(steps))
         print(family, "fused", fused, "tokens equal HF:", torch.equal(outs[fused][0], want))
+    if family == "bloom":      # every decode linear in the Triton kernel as well
+        dt.DECODE_LINEAR = True
+        fg = decode.FastGenerator(model, max_prompt_len=12, max_new_tokens=10, attn_impl="triton",
+                                  use_triton=True)
+        got = fg.generate(ids, mask, **kw)
+        dt.DECODE_LINEAR = False
+        print(family, "Triton linears, tokens equal HF:", torch.equal(got, want))
+        assert torch.equal(got, want)
     a, b = outs[True][1], outs[False][1]
     fin = torch.isfinite(b)
     assert torch.equal(fin, torch.isfinite(a))

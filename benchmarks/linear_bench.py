@@ -1,0 +1,95 @@
+"""Decode-step linear sweep on one GPU: cuBLAS (F.linear; the bias+GELU epilogue for fc1)
+against `dschat.engine.decode_triton.linear` over its launch knobs, at the weight shapes of
+bloom-560m and bloom-7b1 with 1, 16 and 64 rows, each call replayed from a CUDA graph as
+the fast decode path runs it. Prints the best Triton variants per shape and writes a table
+(microseconds, weight TB/s, max difference to cuBLAS).
+
+    python benchmarks/linear_bench.py [--out DIR] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.attn_bench import graph_time_us  # noqa: E402
+from dschat.engine import decode_triton as dt  # noqa: E402
+
+SHAPES = {  # name: (N, K, bias+GELU epilogue)
+    "560m qkv": (3072, 1024, False), "560m dense": (1024, 1024, False),
+    "560m fc1+gelu": (4096, 1024, True), "560m fc2": (1024, 4096, False), "560m head": (250880, 1024, False),
+    "7b1 qkv": (12288, 4096, False), "7b1 dense": (4096, 4096, False),
+    "7b1 fc1+gelu": (16384, 4096, True), "7b1 fc2": (4096, 16384, False), "7b1 head": (250880, 4096, False),
+}
+
+
+def cublas(x, w, b, gelu):
+    if gelu and x.shape[0] > 1:
+        return torch._addmm_activation(b, x, w.t(), use_gelu=True)
+    return dt.linear_ref(x, w, b, gelu)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 1, 64])
+    ap.add_argument("--smoke", action="store_true", help="Tiny shapes on CPU (TRITON_INTERPRET=1).")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    shapes = {"tiny": (96, 64, True)} if args.smoke else SHAPES
+    rows = []
+    for (name, (N, K, gelu)), M in itertools.product(shapes.items(), [2] if args.smoke else args.rows):
+        torch.manual_seed(0)
+        x = torch.randn(M, K, device=dev, dtype=dtype)
+        w = (torch.randn(N, K, device=dev) / K ** 0.5).to(dtype)
+        b = None if "head" in name else (torch.randn(N, device=dev) * 0.1).to(dtype)
+        ref = cublas(x, w, b, gelu).float()
+        wbytes = N * K * 2
+        variants = [("cublas", None)]
+        grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (None, 4))
+        for bn, bk, warps, stages in ([(16, 32, 4, None)] if args.smoke else grid):
+            if bn * bk > 32768:
+                continue
+            variants.append((f"triton bn{bn} bk{bk} w{warps} st{stages or '-'}", (bn, bk, warps, stages)))
+        variants.append(("triton rule", (None, 128, 4, None)))
+        for label, knobs in variants:
+            try:
+                if knobs is None:
+                    def fn():
+                        return cublas(x, w, b, gelu)
+                else:
+                    dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K, dt.LINEAR_WARPS, dt.LINEAR_STAGES = knobs
+
+                    def fn():
+                        return dt.linear(x, w, b, gelu)
+                err = (fn().float() - ref).abs().max().item()
+                us = graph_time_us(fn)
+                rows.append(dict(shape=name, rows=M, variant=label, us=us, tb_s=wbytes / us / 1e6, err=err))
+            except Exception as exc:      # a knob combination Triton cannot compile
+                rows.append(dict(shape=name, rows=M, variant=label, us=float("nan"), tb_s=0.0, err=float("nan"),
+                                 error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+        dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K, dt.LINEAR_WARPS, dt.LINEAR_STAGES = None, 128, 4, None
+        mine = [r for r in rows if r["shape"] == name and r["rows"] == M and r["us"] == r["us"]]
+        base = next(r for r in mine if r["variant"] == "cublas")
+        best = sorted((r for r in mine if r["variant"] != "cublas"), key=lambda r: r["us"])[:4]
+        print(f"{name} M{M}: cublas {base['us']:.2f}us ({base['tb_s']:.2f} TB/s); "
+              + "; ".join(f"{r['variant']} {r['us']:.2f}us" for r in best), flush=True)
+    device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)"
+    lines = [f"{device} torch {torch.__version__}; decode linears, bf16, replayed from a CUDA graph", "",
+             "| shape | rows | variant | us/call | weight TB/s | max abs diff to cuBLAS |", "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["shape"], r["rows"], r["us"] if r["us"] == r["us"] else 1e9)):
+        lines.append(f"| {r['shape']} | {r['rows']} | {r['variant']} | {r['us']:.2f} | {r['tb_s']:.2f} | {r['err']:.2e} |")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "linear_results.md").write_text("\n".join(lines) + "\n")
+    (Path(args.out) / "linear_results.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
