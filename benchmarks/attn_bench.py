@@ -139,16 +139,19 @@ def main():
         print("   bmm / rule / rule inline-combine: " + "; ".join(
             f"{r['variant']} {r['us']:.2f}us" for r in rows if r["shape"] == name and r["pos"] == pos
             and (r["variant"].startswith("bmm") or "rule" in r["variant"])), flush=True)
-    device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)"
-    lines = [f"{device} torch {torch.__version__}; one layer's decode attention, "
-             "bf16, replayed from a CUDA graph", "",
-             "| shape | pos | variant | us/call | K/V TB/s | max abs err |", "|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["shape"], r["pos"], r["us"] if r["us"] == r["us"] else 1e9)):
-        lines.append(f"| {r['shape']} | {r['pos']} | {r['variant']} | {r['us']:.2f} | {r['tb_s']:.2f} | {r['err']:.2e} |")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "attn_results.md").write_text("\n".join(lines) + "\n")
-    (Path(args.out) / "attn_results.json").write_text(json.dumps(rows, indent=1))
+    write_sweep(args.out, "attn", "one layer's decode attention", "pos", "K/V TB/s", "max abs err", rows)
 
+
+def write_sweep(out: str, stem: str, what: str, case: str, tb_label: str, err_label: str, rows: list) -> None:
+    """`<stem>_results.md` (sorted by shape, case, time) and `<stem>_results.json` in `out`."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
+    lines = [f"{device} torch {torch.__version__}; {what}, bf16, replayed from a CUDA graph", "",
+             f"| shape | {case} | variant | us/call | {tb_label} | {err_label} |", "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["shape"], r[case], r["us"] if r["us"] == r["us"] else 1e9)):
+        lines.append(f"| {r['shape']} | {r[case]} | {r['variant']} | {r['us']:.2f} | {r['tb_s']:.2f} | {r['err']:.2e} |")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"{stem}_results.md").write_text("\n".join(lines) + "\n")
+    (Path(out) / f"{stem}_results.json").write_text(json.dumps(rows, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.attn_bench import graph_time_us  # noqa: E402
+from benchmarks.attn_bench import graph_time_us, write_sweep  # noqa: E402
 from dschat.engine import decode_triton as dt  # noqa: E402
 
 SHAPES = {  # name: (N, K, bias+GELU epilogue)
@@ -81,15 +80,7 @@ def main():
         best = sorted((r for r in mine if r["variant"] != "cublas"), key=lambda r: r["us"])[:4]
         print(f"{name} M{M}: cublas {base['us']:.2f}us ({base['tb_s']:.2f} TB/s); "
               + "; ".join(f"{r['variant']} {r['us']:.2f}us" for r in best), flush=True)
-    device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)"
-    lines = [f"{device} torch {torch.__version__}; decode linears, bf16, replayed from a CUDA graph", "",
-             "| shape | rows | variant | us/call | weight TB/s | max abs diff to cuBLAS |", "|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["shape"], r["rows"], r["us"] if r["us"] == r["us"] else 1e9)):
-        lines.append(f"| {r['shape']} | {r['rows']} | {r['variant']} | {r['us']:.2f} | {r['tb_s']:.2f} | {r['err']:.2e} |")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "linear_results.md").write_text("\n".join(lines) + "\n")
-    (Path(args.out) / "linear_results.json").write_text(json.dumps(rows, indent=1))
-
+    write_sweep(args.out, "linear", "decode linears", "rows", "weight TB/s", "max abs diff to cuBLAS", rows)
 
 if __name__ == "__main__":
     main()

@@ -3,9 +3,15 @@
 The numbers they print on CPU mean nothing; these tests keep the scripts working between
 device sessions and run their correctness columns for real (ZeRO-3 over 2 CPU ranks).
 """
+import importlib.util
 import json
+import subprocess
+import sys
+
+import pytest
 
 from tests.dist_utils import REPO, run_deepspeed, run_python
+from tests.dist_utils import test_env as subprocess_env
 
 
 def _rows(path):
@@ -41,3 +47,17 @@ def test_generation_benchmark_modes_agree(tmp_path):
                                          "ours generic layered", "ours fast"]
     assert all(r["same_rows_as_hf"] == 1.0 for r in rows[1:]), rows
     assert "| tiny-bloom | 2 | ours fast |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+@pytest.mark.parametrize("script,stem,tol", [("attn_bench.py", "attn", 1e-2), ("linear_bench.py", "linear", 3e-2)])
+def test_kernel_sweeps_run_in_the_triton_interpreter(tmp_path, script, stem, tol):
+    """The decode-kernel sweeps' --smoke mode: every variant runs and is within bf16
+    rounding of its reference (the GPU runs time the same variants)."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(tmp_path)],
+                          cwd=REPO, env=dict(subprocess_env(), TRITON_INTERPRET="1"), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / f"{stem}_results.json").read_text())
+    assert len(rows) >= 3 and not any("error" in r for r in rows), rows
+    assert all(r["err"] <= tol for r in rows), rows
