@@ -33,6 +33,16 @@ def test_leaf_classes_only_at_zero3_and_only_for_block_granularity():
     cfg = use_block_granularity(train_ds_config(zero_stage=3, dtype="fp32", micro_batch_size=1), model)
     classes = cfg["zero_optimization"]["leaf_module"]["classes"]
     assert classes[-1] == "BloomBlock"
+    # prefetch one block ahead: bucket >= one block, live limit >= two (upstream's 3e7 here)
+    assert cfg["zero_optimization"]["stage3_prefetch_bucket_size"] == 3e7
+    big = AutoModelForCausalLM.from_config(AutoConfig.for_model("bloom", vocab_size=64, hidden_size=1024,
+                                                                n_layer=1, n_head=2))
+    block_numel = sum(p.numel() for p in big.transformer.h[0].parameters())
+    zero = use_block_granularity(train_ds_config(zero_stage=3, dtype="fp32", micro_batch_size=1,
+                                                 prefetch_bucket_size=1e6, max_live_parameters=1e6),
+                                 big)["zero_optimization"]
+    assert zero["stage3_prefetch_bucket_size"] == block_numel
+    assert zero["stage3_max_live_parameters"] == 2 * block_numel
     assert any("MixtralSparseMoeBlock" in c for c in classes)   # DeepSpeed's defaults stay
     assert use_block_granularity(cfg, model)["zero_optimization"]["leaf_module"]["classes"] == classes
     for cfg in (train_ds_config(zero_stage=2, dtype="fp32", micro_batch_size=1),

@@ -57,9 +57,9 @@ def params_left_gathered(module: nn.Module) -> list[str]:
     return left
 
 
-def block_class_name(model: nn.Module) -> str | None:
-    """Class name of the model's transformer blocks (causal LM, its bare backbone as in
-    the reward model, or a PEFT wrapper of either); None for an unregistered family."""
+def _first_block(model: nn.Module) -> nn.Module | None:
+    """The model's first transformer block (causal LM, its bare backbone as in the reward
+    model, or a PEFT wrapper of either); None for an unregistered family."""
     from dschat.registry import REGISTRY, resolve
     family = REGISTRY.get(getattr(getattr(model, "config", None), "model_type", None))
     if family is None:
@@ -69,8 +69,14 @@ def block_class_name(model: nn.Module) -> str | None:
         for path in (family.blocks, below_backbone):
             blocks = resolve(module, path)
             if isinstance(blocks, nn.ModuleList) and len(blocks):
-                return type(blocks[0]).__name__
+                return blocks[0]
     return None
+
+
+def block_class_name(model: nn.Module) -> str | None:
+    """Class name of the model's transformer blocks; None for an unregistered family."""
+    block = _first_block(model)
+    return None if block is None else type(block).__name__
 
 
 def use_block_granularity(ds_config: dict, model: nn.Module, granularity: str = "block") -> dict:
@@ -83,6 +89,10 @@ def use_block_granularity(ds_config: dict, model: nn.Module, granularity: str = 
     is gathered and released whole: one hook pair, the same parameters live at the peak
     (one block), the same numbers. Sets `zero_optimization.leaf_module.classes` of
     `ds_config` in place (DeepSpeed applies it in `deepspeed.initialize`) and returns it.
+    A block is also the unit ZeRO prefetches in, so the prefetch bucket is raised to one
+    block and the live-parameter limit to two (the block running and the next one in
+    flight): with upstream's 3e7 elements a 7B block (2e8) could never be prefetched and
+    its all-gather would not overlap the previous block's compute on several GPUs.
     `granularity="module"` keeps DeepSpeed's per-submodule hooks.
     """
     zero = ds_config.get("zero_optimization") or {}
@@ -90,10 +100,15 @@ def use_block_granularity(ds_config: dict, model: nn.Module, granularity: str = 
         return ds_config
     if granularity != "block":
         raise ValueError(f"granularity must be 'block' or 'module', got {granularity!r}")
-    name = block_class_name(model)
-    if name is None:
+    block = _first_block(model)
+    if block is None:
         return ds_config
     from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+    name = type(block).__name__
     classes = list(zero.get("leaf_module", {}).get("classes", DEFAULT_LEAF_MODULE_CLASSES))
     zero["leaf_module"] = {"classes": classes + [name] if name not in classes else classes}
+    # ds_numel: the full size of a parameter already partitioned by zero.Init
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in block.parameters())
+    for key, blocks in (("stage3_prefetch_bucket_size", 1), ("stage3_max_live_parameters", 2)):
+        zero[key] = max(zero.get(key, 0), blocks * numel)
     return ds_config
