@@ -49,6 +49,7 @@ logger = get_logger(__name__)
 MODES = ("full", "layered")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _ACCEPTS_POSITION_IDS: dict[type, bool] = {}
+_ACCEPTS_LOGITS_TO_KEEP: dict[type, bool] = {}
 
 
 def position_ids_for(model: nn.Module, attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
@@ -63,6 +64,20 @@ def position_ids_for(model: nn.Module, attention_mask: torch.Tensor) -> Optional
         return None
     position_ids = attention_mask.long().cumsum(-1) - 1
     return position_ids.masked_fill(attention_mask == 0, 1)
+
+
+def logits_to_keep_kwargs(model: nn.Module, keep_last: int) -> dict:
+    """{"logits_to_keep": n} where the model's forward takes it (HF computes the LM head
+    over the last n positions only), else {}; callers slice the last n columns either way.
+    Step 3 keeps the answer's columns: with Bloom's 250k vocabulary the head is about as
+    much compute as the rest of the model, and its logits the largest tensor of a step."""
+    import inspect
+    if keep_last <= 0:
+        return {}
+    cls = type(unwrap_peft(model))
+    if cls not in _ACCEPTS_LOGITS_TO_KEEP:
+        _ACCEPTS_LOGITS_TO_KEEP[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
+    return {"logits_to_keep": keep_last} if _ACCEPTS_LOGITS_TO_KEEP[cls] else {}
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -336,21 +351,25 @@ class HybridActor:
 
     # ---------------------------------------------------------------- scoring
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+               position_ids: Optional[torch.Tensor] = None, keep_last: int = 0) -> torch.Tensor:
         """fp32 logits [B, S, V] of the current weights without grad, on the replica when
-        the hybrid engine is on (no new gather unless the weights changed)."""
+        the hybrid engine is on (no new gather unless the weights changed); only the last
+        `keep_last` columns when it is > 0 ([B, keep_last, V])."""
         if self._tp is not None:
-            return self._tp.logits(input_ids, attention_mask, position_ids)
+            logits = self._tp.logits(input_ids, attention_mask, position_ids)
+            return logits[:, -keep_last:] if keep_last > 0 else logits
         t0 = time.perf_counter()
         model = self.inference_model
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         if position_ids is None:
             position_ids = position_ids_for(model, attention_mask)
         kwargs = {} if position_ids is None else {"position_ids": position_ids.to(self.device)}
+        kwargs.update(logits_to_keep_kwargs(model, keep_last))
         with torch.no_grad(), self._running(model):
             out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
         self._stats["gen/logits_seconds"] += time.perf_counter() - t0
-        return out.logits.float()
+        logits = out.logits[:, -keep_last:] if keep_last > 0 else out.logits
+        return logits.float()
 
     def log_probs(self, seq: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """log p(seq[:, 1:]) under the current weights: [B, S - 1], fp32, no grad."""

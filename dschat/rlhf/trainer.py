@@ -8,6 +8,7 @@ import torch
 from torch.profiler import record_function
 
 from dschat.engine.distributed import all_reduce_mean, all_reduce_sum
+from dschat.engine.hybrid import logits_to_keep_kwargs
 from dschat.engine.train_utils import lm_loss_sum
 from dschat.rlhf import ppo_math as pm
 from dschat.rlhf.engine import RLHFEngines, update_ema
@@ -92,14 +93,16 @@ class PPOTrainer:
         action_mask = action_mask * keep.unsqueeze(1).long()
 
         start = time.time()
+        keep = seq.shape[1] - P + 1      # the LM head runs on the answer-predicting columns only
         with record_function("dschat/score/actor"):
-            logits = self.e.hybrid.logits(seq, attention_mask)
-            logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(seq, P))
+            logits = self.e.hybrid.logits(seq, attention_mask, keep_last=keep)
+            logprobs = pm.gather_log_probs(_answer_logits(logits, seq, P), pm.answer_tokens(seq, P))
             del logits
         with record_function("dschat/score/reference"):
             ref_logits = self.e.ref(input_ids=seq, attention_mask=attention_mask, use_cache=False,
-                                    **_positions(self.e.ref.module, attention_mask)).logits
-            ref_logprobs = pm.gather_log_probs(pm.answer_slice(ref_logits, P), pm.answer_tokens(seq, P))
+                                    **_positions(self.e.ref.module, attention_mask),
+                                    **logits_to_keep_kwargs(self.e.ref.module, keep)).logits
+            ref_logprobs = pm.gather_log_probs(_answer_logits(ref_logits, seq, P), pm.answer_tokens(seq, P))
             del ref_logits
         with record_function("dschat/score/reward"):
             reward = self.e.reward.module.forward_value(seq, attention_mask)["chosen_end_scores"].float()
@@ -123,9 +126,11 @@ class PPOTrainer:
         self.e.critic.train()
         # the same positions as generation and the experience pass (left-padded prompts)
         with record_function("dschat/train/actor_forward"):
+            keep = exp.seq.shape[1] - P + 1
             logits = self.e.actor(input_ids=exp.seq, attention_mask=exp.attention_mask, use_cache=False,
-                                  **_positions(self.e.actor.module, exp.attention_mask)).logits
-            logprobs = pm.gather_log_probs(pm.answer_slice(logits, P), pm.answer_tokens(exp.seq, P))
+                                  **_positions(self.e.actor.module, exp.attention_mask),
+                                  **logits_to_keep_kwargs(self.e.actor.module, keep)).logits
+            logprobs = pm.gather_log_probs(_answer_logits(logits, exp.seq, P), pm.answer_tokens(exp.seq, P))
             a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
                                            self.cfg.cliprange)
         self._update("actor", a_loss, self.e.actor)
@@ -192,6 +197,13 @@ class PPOTrainer:
             "gen/answer_len_max": _all_reduce_max(lengths.max()),
             "ppo/value_mean": all_reduce_mean(pm.masked_mean(exp.values, exp.action_mask)).item(),
         }
+
+
+def _answer_logits(logits: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Tensor:
+    """[B, A, V] logits that predict the answer tokens, from full-width logits or from the
+    last columns only (`logits_to_keep`): the columns dropped on the left shift the slice."""
+    dropped = seq.shape[1] - logits.shape[1]
+    return pm.answer_slice(logits, P - dropped)
 
 
 def _positions(module, attention_mask) -> dict:
