@@ -32,13 +32,32 @@ def zero3_run(tmp_path_factory):
     return out
 
 
-def test_zero3_two_ranks_equals_zero0_one_rank(zero3_run, tmp_path):
-    # same global batch: 2 ranks x 8 against 1 rank x 16
-    run_python(MAIN, step1_args(tmp_path, tmp_path / "cache", batch=16, extra=["--zero_stage", "0"]))
-    z3, z0 = losses(zero3_run), losses(tmp_path)
+@pytest.fixture(scope="module")
+def zero0_run(tmp_path_factory):
+    # the same global batch on one rank: 1 x 16 against 2 ranks x 8
+    out = tmp_path_factory.mktemp("s1_z0")
+    run_python(MAIN, step1_args(out, out / "cache", batch=16, extra=["--zero_stage", "0"]))
+    return out
+
+
+def test_zero3_two_ranks_equals_zero0_one_rank(zero3_run, zero0_run):
+    z3, z0 = losses(zero3_run), losses(zero0_run)
     assert len(z3) == len(z0) == 5
     assert max(abs(a - b) for a, b in zip(z3, z0)) < 1e-4, (z3, z0)
     assert z3[-1] < z3[0]  # and it learns
+
+
+def test_zero3_offload_and_checkpointing_equal_zero0(zero0_run, tmp_path):
+    """ZeRO-3 with parameters and optimizer offloaded to the CPU (DeepSpeedCPUAdam) and
+    activation checkpointing, block-granular hooks (the default): the same losses."""
+    run_deepspeed(MAIN, step1_args(tmp_path, tmp_path / "cache", batch=8,
+                                   extra=["--zero_stage", "3", "--offload", "--gradient_checkpointing"]),
+                  num_gpus=2)
+    got, want = losses(tmp_path), losses(zero0_run)
+    assert len(got) == len(want) == 5
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (got, want)
+    config = json.loads((tmp_path / "training_config.json").read_text())
+    assert "BloomBlock" in json.dumps(config), "block-granular hooks not in the saved ds config"
 
 
 def test_saved_model_gives_the_same_eval_loss_without_deepspeed(zero3_run):
