@@ -87,8 +87,10 @@ def use_block_granularity(ds_config: dict, model: nn.Module, granularity: str = 
     hundred microseconds of Python. That host time, not the GPU, bounded step 3 on one
     H200 (profile in benchmarks/RESULTS.md). Declared as a ZeRO "leaf module", a block
     is gathered and released whole: one hook pair, the same parameters live at the peak
-    (one block), the same numbers. Sets `zero_optimization.leaf_module.classes` of
-    `ds_config` in place (DeepSpeed applies it in `deepspeed.initialize`) and returns it.
+    (one block), the same numbers. Marks the blocks of `model` and records their class in
+    `zero_optimization.leaf_module` of `ds_config` (in place; returned), both before
+    `deepspeed.initialize`.
+
     A block is also the unit ZeRO prefetches in, so the prefetch bucket is raised to one
     block and the live-parameter limit to two (the block running and the next one in
     flight): with upstream's 3e7 elements a 7B block (2e8) could never be prefetched and
@@ -103,10 +105,17 @@ def use_block_granularity(ds_config: dict, model: nn.Module, granularity: str = 
     block = _first_block(model)
     if block is None:
         return ds_config
-    from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
-    name = type(block).__name__
-    classes = list(zero.get("leaf_module", {}).get("classes", DEFAULT_LEAF_MODULE_CLASSES))
-    zero["leaf_module"] = {"classes": classes + [name] if name not in classes else classes}
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.utils import set_z3_leaf_modules
+    # the flag on every block instance is what DeepSpeed's hook registration reads (since
+    # 0.14); DeepSpeed >= 0.18 also takes the classes in its config, where they are saved
+    # with the run (older versions reject the unknown key)
+    set_z3_leaf_modules(model, [type(block)])
+    if "leaf_module" in DeepSpeedZeroConfig.model_fields:
+        from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+        name = type(block).__name__
+        classes = list(zero.get("leaf_module", {}).get("classes", DEFAULT_LEAF_MODULE_CLASSES))
+        zero["leaf_module"] = {"classes": classes + [name] if name not in classes else classes}
     # ds_numel: the full size of a parameter already partitioned by zero.Init
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in block.parameters())
     for key, blocks in (("stage3_prefetch_bucket_size", 1), ("stage3_max_live_parameters", 2)):
