@@ -328,3 +328,18 @@ def test_experience_detach_to_and_validation():
         Experience(**{**exp.__dict__, "values": torch.zeros(4, 2)})
     with pytest.raises(ValueError, match="micro_batch_size"):
         exp.split(0)
+
+
+def test_gather_log_probs_in_row_chunks_is_exact():
+    """Scoring (no autograd) goes through rows in chunks: bit-identical to one pass; with
+    autograd it stays one pass and differentiable."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 7, 50, generator=g).to(torch.bfloat16)
+    labels = torch.randint(0, 50, (5, 7), generator=g)
+    whole = gather_log_probs(logits, labels)
+    for rows in (1, 2, 4):
+        assert torch.equal(gather_log_probs(logits, labels, chunk_bytes=rows * 7 * 50 * 4), whole)
+    leaf = logits.float().requires_grad_(True)
+    out = gather_log_probs(leaf, labels, chunk_bytes=1)
+    out.sum().backward()
+    assert leaf.grad is not None and torch.allclose(out.detach(), whole, atol=1e-6)
