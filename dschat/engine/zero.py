@@ -107,9 +107,9 @@ def use_block_granularity(ds_config: dict, model: nn.Module, granularity: str = 
         return ds_config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.utils import set_z3_leaf_modules
-    # the flag on every block instance is what DeepSpeed's hook registration reads (since
-    # 0.14); DeepSpeed >= 0.18 also takes the classes in its config, where they are saved
-    # with the run (older versions reject the unknown key)
+    # the flag on every block instance is what DeepSpeed's hook registration reads (0.14
+    # on); newer DeepSpeed (0.19 here) also takes the classes in its config, where they are
+    # saved with the run (older versions reject the unknown key)
     set_z3_leaf_modules(model, [type(block)])
     if "leaf_module" in DeepSpeedZeroConfig.model_fields:
         from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
