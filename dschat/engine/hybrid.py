@@ -48,19 +48,23 @@ logger = get_logger(__name__)
 
 MODES = ("full", "layered")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_ACCEPTS_POSITION_IDS: dict[type, bool] = {}
-_ACCEPTS_LOGITS_TO_KEEP: dict[type, bool] = {}
+_FORWARD_TAKES: dict[tuple[type, str], bool] = {}
+
+
+def _forward_takes(model: nn.Module, name: str) -> bool:
+    """Whether the HF model's forward (under a PEFT wrapper) has parameter `name`."""
+    import inspect
+    key = (type(unwrap_peft(model)), name)
+    if key not in _FORWARD_TAKES:
+        _FORWARD_TAKES[key] = name in inspect.signature(key[0].forward).parameters
+    return _FORWARD_TAKES[key]
 
 
 def position_ids_for(model: nn.Module, attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
     """Positions from a (left-padded) attention mask, as HF generate computes them
     (cumsum - 1, pads set to 1); None for models whose forward takes no position_ids
     (ALiBi models derive positions from the mask themselves)."""
-    import inspect
-    cls = type(unwrap_peft(model))
-    if cls not in _ACCEPTS_POSITION_IDS:
-        _ACCEPTS_POSITION_IDS[cls] = "position_ids" in inspect.signature(cls.forward).parameters
-    if not _ACCEPTS_POSITION_IDS[cls]:
+    if not _forward_takes(model, "position_ids"):
         return None
     position_ids = attention_mask.long().cumsum(-1) - 1
     return position_ids.masked_fill(attention_mask == 0, 1)
@@ -71,13 +75,9 @@ def logits_to_keep_kwargs(model: nn.Module, keep_last: int) -> dict:
     over the last n positions only), else {}; callers slice the last n columns either way.
     Step 3 keeps the answer's columns: with Bloom's 250k vocabulary the head is about as
     much compute as the rest of the model, and its logits the largest tensor of a step."""
-    import inspect
-    if keep_last <= 0:
+    if keep_last <= 0 or not _forward_takes(model, "logits_to_keep"):
         return {}
-    cls = type(unwrap_peft(model))
-    if cls not in _ACCEPTS_LOGITS_TO_KEEP:
-        _ACCEPTS_LOGITS_TO_KEEP[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
-    return {"logits_to_keep": keep_last} if _ACCEPTS_LOGITS_TO_KEEP[cls] else {}
+    return {"logits_to_keep": keep_last}
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -121,3 +121,13 @@ def use_block_granularity(ds_config: dict, model: nn.Module, granularity: str = 
     for key, blocks in (("stage3_prefetch_bucket_size", 1), ("stage3_max_live_parameters", 2)):
         zero[key] = max(zero.get(key, 0), blocks * numel)
     return ds_config
+
+
+def initialize_engine(model: nn.Module, ds_config: dict, hook_granularity: str = "block", **kwargs):
+    """`deepspeed.initialize` with the ZeRO-3 hook granularity applied first (see
+    `use_block_granularity`); returns the engine. `kwargs`: optimizer, lr_scheduler, ..."""
+    import deepspeed
+    engine, *_ = deepspeed.initialize(model=model, config=use_block_granularity(ds_config, model, hook_granularity),
+                                      **kwargs)
+    return engine
+

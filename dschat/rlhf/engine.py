@@ -13,7 +13,7 @@ import torch
 
 from dschat.engine.config import eval_ds_config, frozen_stage, train_ds_config
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
-from dschat.engine.zero import gathered, use_block_granularity
+from dschat.engine.zero import gathered, initialize_engine
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import create_hf_model
 from dschat.models.reward_model import load_reward_model
@@ -34,8 +34,6 @@ class RLHFEngines:
 
 
 def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) -> RLHFEngines:
-    import deepspeed
-
     from dschat.engine.hybrid import HybridActor
 
     actor_cfg = train_ds_config(
@@ -57,19 +55,19 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     opt = build_optimizer(actor, lr=args.actor_learning_rate, weight_decay=args.actor_weight_decay,
                           lora_lr=args.actor_lora_learning_rate, offload=args.offload)
     sched = build_lr_scheduler(opt, args.lr_scheduler_type, args.num_warmup_steps, num_total_iters)
-    actor_engine, *_ = deepspeed.initialize(model=actor, optimizer=opt, lr_scheduler=sched, config=use_block_granularity(actor_cfg, actor, hooks))
+    actor_engine = initialize_engine(actor, actor_cfg, hooks, optimizer=opt, lr_scheduler=sched)
     print_rank_0(f"actor engine ready (ZeRO-{args.actor_zero_stage})")
 
     # reference: the SFT model, frozen
     ref_cfg = eval_ds_config(zero_stage=frozen_stage(args.reference_zero_stage, args.actor_zero_stage),
                              dtype=args.dtype, offload=args.offload_reference_model)
     ref = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
-    ref_engine, *_ = deepspeed.initialize(model=ref, config=use_block_granularity(ref_cfg, ref, hooks))
+    ref_engine = initialize_engine(ref, ref_cfg, hooks)
 
     ema_engine = None
     if args.enable_ema:
         ema = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
-        ema_engine, *_ = deepspeed.initialize(model=ema, config=use_block_granularity(ref_cfg, ema, hooks))
+        ema_engine = initialize_engine(ema, ref_cfg, hooks)
 
     # critic: from the reward model, trained
     critic = load_reward_model(args.critic_model_name_or_path, tokenizer, dropout=args.critic_dropout,
@@ -81,14 +79,14 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     opt = build_optimizer(critic, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay,
                           lora_lr=args.critic_lora_learning_rate, offload=args.offload)
     sched = build_lr_scheduler(opt, args.lr_scheduler_type, args.num_warmup_steps, num_total_iters)
-    critic_engine, *_ = deepspeed.initialize(model=critic, optimizer=opt, lr_scheduler=sched, config=use_block_granularity(critic_cfg, critic, hooks))
+    critic_engine = initialize_engine(critic, critic_cfg, hooks, optimizer=opt, lr_scheduler=sched)
     print_rank_0(f"critic engine ready (ZeRO-{args.critic_zero_stage})")
 
     # reward: the same reward model, frozen
     reward_cfg = eval_ds_config(zero_stage=frozen_stage(args.reward_zero_stage, args.critic_zero_stage),
                                 dtype=args.dtype, offload=args.offload_reward_model)
     reward = load_reward_model(args.critic_model_name_or_path, tokenizer, flag="--critic_model_name_or_path")
-    reward_engine, *_ = deepspeed.initialize(model=reward, config=use_block_granularity(reward_cfg, reward, hooks))
+    reward_engine = initialize_engine(reward, reward_cfg, hooks)
 
     hybrid = HybridActor(
         actor_engine, enable_hybrid_engine=args.enable_hybrid_engine,

@@ -8,7 +8,7 @@ import torch
 from torch.profiler import record_function
 
 from dschat.engine.distributed import all_reduce_mean, all_reduce_sum
-from dschat.engine.hybrid import logits_to_keep_kwargs
+from dschat.engine.hybrid import logits_to_keep_kwargs, position_ids_for
 from dschat.engine.train_utils import lm_loss_sum
 from dschat.rlhf import ppo_math as pm
 from dschat.rlhf.engine import RLHFEngines, update_ema
@@ -207,7 +207,6 @@ def _answer_logits(logits: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Ten
 
 
 def _positions(module, attention_mask) -> dict:
-    from dschat.engine.hybrid import position_ids_for
     position_ids = position_ids_for(module, attention_mask)
     return {} if position_ids is None else {"position_ids": position_ids}
 

@@ -22,9 +22,9 @@ from dschat.data import create_prompt_dataset
 from dschat.engine.config import train_ds_config
 from dschat.engine.distributed import all_reduce_sum, init_distributed, rank
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
-from dschat.engine.zero import use_block_granularity
 from dschat.engine.train_utils import (abandon_accumulation, evaluate_lm, lm_loss_sum, log_train_step,
                                        make_loader, micro_batch_groups, to_device, token_count)
+from dschat.engine.zero import initialize_engine
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import create_hf_model, load_tokenizer, save_hf_format
 from dschat.utils import flags
@@ -46,8 +46,6 @@ def parse_args(argv=None):
 
 
 def build_engine(args, tokenizer, ds_config, num_update_steps):
-    import deepspeed
-
     model = create_hf_model(args.model_name_or_path, tokenizer, ds_config=ds_config,
                             dropout=args.dropout, seed=args.seed)
     model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
@@ -58,10 +56,8 @@ def build_engine(args, tokenizer, ds_config, num_update_steps):
                                 lora_lr=args.lora_learning_rate, offload=args.offload)
     scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
                                    num_update_steps)
-    use_block_granularity(ds_config, model, args.zero3_hook_granularity)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=ds_config, dist_init_required=True)
-    return engine
+    return initialize_engine(model, ds_config, args.zero3_hook_granularity, optimizer=optimizer,
+                             lr_scheduler=scheduler, dist_init_required=True)
 
 
 def train_step(engine, group, device, accumulation: int, world: int, guard: NonFiniteGuard,

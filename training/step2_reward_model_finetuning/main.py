@@ -21,9 +21,9 @@ from dschat.data import DataCollatorReward, create_prompt_dataset
 from dschat.engine.config import train_ds_config
 from dschat.engine.distributed import all_reduce_sum, init_distributed, rank
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
-from dschat.engine.zero import use_block_granularity
 from dschat.engine.train_utils import (abandon_accumulation, log_train_step, make_loader, micro_batch_groups,
                                        to_device)
+from dschat.engine.zero import initialize_engine
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import load_tokenizer
 from dschat.models.reward_model import create_reward_model, save_reward_model
@@ -50,8 +50,6 @@ def parse_args(argv=None):
 
 
 def build_engine(args, tokenizer, ds_config, num_update_steps):
-    import deepspeed
-
     model = create_reward_model(args.model_name_or_path, tokenizer, ds_config=ds_config,
                                 dropout=args.dropout, seed=args.seed,
                                 num_padding_at_beginning=args.num_padding_at_beginning)
@@ -63,10 +61,8 @@ def build_engine(args, tokenizer, ds_config, num_update_steps):
                                 lora_lr=args.lora_learning_rate, offload=args.offload)
     scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
                                    num_update_steps)
-    use_block_granularity(ds_config, model, args.zero3_hook_granularity)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=ds_config, dist_init_required=True)
-    return engine
+    return initialize_engine(model, ds_config, args.zero3_hook_granularity, optimizer=optimizer,
+                             lr_scheduler=scheduler, dist_init_required=True)
 
 
 def train_step(engine, group, device, world: int, guard: NonFiniteGuard, step: int) -> float | None:
