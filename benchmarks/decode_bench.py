@@ -397,7 +397,7 @@ def main():
         for item in args.plan.split(","):
             name, dt, b = item.split(":")
             plan.append((name, {"bf16": bf16, "fp32": fp32}[dt], int(b), nums, True, False, None))
-    rows = []
+    rows, md = [], ""
     t0 = time.time()
     for preset, dt, B, numerics, agree, sample, std in plan:
         try:
@@ -407,9 +407,10 @@ def main():
             rows.append(dict(preset=preset, dtype=str(dt), batch=B, numerics="-", hf_tok_s=0,
                              hf_ms_step=0, error=f"{type(exc).__name__}: {exc}"[:300]))
         print(f"[{time.time() - t0:.0f}s] done {preset} {dt} B{B}", flush=True)
-    md = table(rows, args.bw, device)
-    (Path(args.out) / "decode_results.md").write_text(md + "\n")
-    (Path(args.out) / "decode_results.json").write_text(json.dumps(rows, indent=1))
+        # rewritten after every case so a run cut short by a time limit still leaves its table
+        md = table(rows, args.bw, device)
+        (Path(args.out) / "decode_results.md").write_text(md + "\n")
+        (Path(args.out) / "decode_results.json").write_text(json.dumps(rows, indent=1))
     print(md)
 
 
