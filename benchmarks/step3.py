@@ -30,7 +30,10 @@ MODES = {
     # reference and reward whole on every GPU (ZeRO-0) while actor and critic stay at ZeRO-3
     "ours fast, frozen unsharded": ["--enable_hybrid_engine", "--reference_zero_stage", "0",
                                     "--reward_zero_stage", "0"],
+    # the LM head over every column in scoring and training (before: the answer's only)
+    "ours fast, full-width LM head": ["--enable_hybrid_engine"],
 }
+MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"}}
 
 
 def parse_args(argv=None):
@@ -108,7 +111,8 @@ def run_mode(mode, args, actor, critic, prompts, workdir) -> list[dict]:
            "--num_warmup_steps", "0", "--output_dir", str(out), *MODES[mode]]
     if args.profile_step:
         cmd += ["--profile_step", str(args.profile_step)]
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               **MODE_ENV.get(mode, {}))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)

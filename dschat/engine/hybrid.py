@@ -29,6 +29,8 @@ same helper for its log-probs to match.
 """
 from __future__ import annotations
 
+import os
+
 import contextlib
 import time
 from typing import Optional
@@ -76,6 +78,8 @@ def logits_to_keep_kwargs(model: nn.Module, keep_last: int) -> dict:
     Step 3 keeps the answer's columns: with Bloom's 250k vocabulary the head is about as
     much compute as the rest of the model, and its logits the largest tensor of a step."""
     if keep_last <= 0 or not _forward_takes(model, "logits_to_keep"):
+        return {}
+    if os.environ.get("DSCHAT_FULL_LOGITS") == "1":      # A/B switch of benchmarks/step3.py
         return {}
     return {"logits_to_keep": keep_last}
 
