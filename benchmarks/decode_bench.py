@@ -169,11 +169,13 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     # e.g. fast, fast:sdpa, fast:sdpa:notriton, fast:sdpa:cudnn, fast:triton:s8:bn64, hf;
     # "fusedkv" / "nofusedkv": the Triton attention writes the step's K/V itself or not
     # (decode_triton.FUSE_KV_WRITE); "inline": no combine kernel; "tlin": Triton decode linears
+    # (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
+    # "torchargmax": torch's argmax (default: decode_triton.argmax)
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
     saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-             dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR)
+             dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX)
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -187,13 +189,17 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr.FUSE_KV_WRITE = False
         if f == "inline":           # split programs combine their partials (no combine kernel)
             dtr.ATTN_INLINE_COMBINE = True
-        if f == "tlin":             # the decode linears in decode_triton.linear (Bloom)
+        if f == "tlin":             # the decode linears in decode_triton.linear (fixed rule)
             dtr.DECODE_LINEAR = True
+        if f == "cublas":
+            dtr.DECODE_LINEAR = False
+        if f == "torchargmax":
+            dtr.TRITON_ARGMAX = False
     try:
         return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
     finally:
         (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-         dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR) = saved
+         dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX) = saved
 
 
 def _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample):
@@ -299,6 +305,9 @@ def run_case(preset, dtype, B, P, T, args, numerics_list, agree, sample=False, s
                     row[k] = fr[k]
             if agree:
                 row.update(agreement(hf, fr, P))
+            # the per-shape decode linears "auto" picked so far in this process
+            row["linear_choices"] = {" ".join(map(str, k[1:6])): str(v)
+                                     for k, v in decode.decode_triton._CHOICE.items()}
         except Exception as exc:                       # keep the other cases going
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -384,12 +393,16 @@ def main():
         plan = [("bloom-560m", bf16, 16, variants, True, True, None),
                 ("bloom-560m", bf16, 64, ["fast:triton", "fast:triton:fusedkv"], True, False, None),
                 ("bloom-7b1", bf16, 16, ["fast", "fast:triton", "fast:triton:fusedkv"], True, False, None)]
-    elif args.plan == "candidates":   # in-kernel split combine, Triton decode linears (both off by default)
-        plan = [("bloom-560m", bf16, 16, ["fast", "fast:inline", "fast:tlin", "fast:inline:tlin", "fast:s8:inline"],
-                 True, True, None),
-                ("bloom-560m", fp32, 16, ["fast:inline:tlin"], True, False, None),
-                ("bloom-560m", bf16, 64, ["fast", "fast:inline:tlin"], True, False, None),
-                ("bloom-7b1", bf16, 16, ["fast", "fast:inline", "fast:tlin", "fast:inline:tlin"], True, False, None)]
+    elif args.plan == "candidates":   # the table, default vs cuBLAS linears / torch's argmax
+        ab = ["fast", "fast:cublas"]
+        plan = [("bloom-560m", bf16, 16, ab + ["fast:torchargmax", "fast:cublas:torchargmax"], True, True, None),
+                ("bloom-560m", fp32, 16, ab, True, False, None),
+                ("bloom-560m", bf16, 1, ab, False, False, None),
+                ("bloom-560m", bf16, 64, ab, True, False, None),
+                ("bloom-1b7", bf16, 16, ab, True, False, None),
+                ("bloom-7b1", bf16, 16, ab, True, False, None),
+                ("opt-1.3b", bf16, 16, ab, True, False, None),
+                ("llama-7b", bf16, 16, ab, True, False, None)]
     elif args.plan == "quick":
         plan = [("bloom-560m", bf16, 16, nums, True, True, None)]
     else:

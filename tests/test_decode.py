@@ -285,6 +285,26 @@ def test_triton_kernels_match_reference():
                 assert torch.equal(kv_fused, kv_ref)
                 torch.testing.assert_close(got.float(), dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1).float(),
                                            atol=tol, rtol=tol)
+        # decode linears: every Triton candidate, and "auto"'s timed choice, against F.linear
+        for M, N, K in [(16, 1024, 4096), (1, 3072, 1024)]:
+            x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+            w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
+            b, r, nw, nb = (torch.randn(n, device="cuda", generator=g).to(dtype) for n in (N, M * N, N, N))
+            r = r.view(M, N)
+            want_lin = dt.linear_ref(x, w, b).float()
+            want = [t.float() for t in dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)]
+            for cfg in [None] + list(dt._linear_candidates(K, parts=True).values())[1:]:
+                dt.LINEAR_FORCE = {"linear+norm": cfg}
+                for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
+                    torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
+            for cfg in [None] + list(dt._linear_candidates(K, parts=False).values())[1:]:
+                dt.LINEAR_FORCE = {"linear": cfg}
+                torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
+            dt.LINEAR_FORCE = None
+            torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
+        # argmax: torch's index exactly, ties included
+        x = torch.randint(0, 50, (16, 250880), device="cuda", generator=g).to(dtype)
+        assert torch.equal(dt.argmax(x), x.argmax(-1))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")

@@ -223,10 +223,12 @@ class _DecodeBlock:
         self.config = model.config
         self.fam = family_of(model)
         self.numerics = numerics
-        # the decode step's linears in one Triton kernel each where enabled (Bloom so far;
-        # 2-D inputs only, so the prompt's 3-D ones and numerics "hf" keep F.linear)
-        self.lin = decode_triton.linear if (use_triton and numerics == "fast"
-                                            and decode_triton.DECODE_LINEAR) else _lin
+        # the decode step's linears: cuBLAS, or per shape the faster of cuBLAS and Triton
+        # kernels (decode_triton.DECODE_LINEAR); 2-D inputs only, so the prompt's 3-D ones
+        # and numerics "hf" keep F.linear
+        mode = decode_triton.DECODE_LINEAR if (use_triton and numerics == "fast") else False
+        self.lin = (decode_triton.tuned_linear if mode == "auto" else
+                    decode_triton.linear if mode is True else _lin)
         self.fuse_qkv = fuse_qkv
         self.on_cuda = on_cuda
         self._derived: dict[str, torch.Tensor] = {}
@@ -295,6 +297,14 @@ class _DecodeBlock:
     def norms(self, x):
         """The fused add+norm for this tensor (the Triton one only for 2-D decode tensors)."""
         return self.add_norm if x.dim() == 2 else add_norm_ref
+
+    def lin_add_norm(self, a, lin, r, nw, nb, eps: float, rms: bool):
+        """add_norm(linear(a, *lin), r, nw, nb, eps): the residual add + norm after a block's
+        output projections. With per-shape linears ("auto") one tuned op for decode tensors,
+        where the linear may be split over K into partials that the norm kernel sums."""
+        if self.lin is decode_triton.tuned_linear and a.dim() == 2:
+            return decode_triton.linear_add_norm(a, lin[0], lin[1], r, nw, nb, eps, rms)
+        return self.norms(a)(self.lin(a, *lin), r, nw, nb, eps, rms=rms)
 
     @property
     def dtype(self):
@@ -368,7 +378,10 @@ class _BloomBlock(_DecodeBlock):
             if self.use_triton and y.dim() == 2:
                 return decode_triton.hf_gelu(y)
             return decode_triton.hf_gelu_ref(y)
-        if self.lin is not _lin and h.dim() == 2:
+        if self.lin is decode_triton.tuned_linear and h.dim() == 2:
+            return decode_triton.tuned_linear(h, *fc1, gelu=True,
+                                              epilogue=self.gelu_epilogue and h.shape[0] > 1)
+        if self.lin is decode_triton.linear and h.dim() == 2:
             return decode_triton.linear(h, *fc1, gelu=True)
         if self.gelu_epilogue and h.dim() == 2 and h.shape[0] > 1:
             # cuBLASLt bias+GELU(tanh) epilogue: one kernel instead of two
@@ -378,15 +391,14 @@ class _BloomBlock(_DecodeBlock):
     def _body(self, x, attend, exact: bool):
         """Embedding-norm output -> final-norm output; attend(layer, h) -> context [.., H*D].
         Each residual add is fused with the norm that follows it."""
-        add_norm, last = self.norms(x), len(self.layers) - 1
+        last = len(self.layers) - 1
         h = self._ln(x, self.layers[0]["ln1"])
         for li, lay in enumerate(self.layers):
             res = h if self.post_ln_residual else x
-            x, h = add_norm(self.lin(attend(li, h), *lay["dense"]), res, *lay["ln2"], rms=False)
+            x, h = self.lin_add_norm(attend(li, h), lay["dense"], res, *lay["ln2"], rms=False)
             res = h if self.post_ln_residual else x
             nxt = self.ln_f if li == last else self.layers[li + 1]["ln1"]
-            y = self.lin(self._mlp_up(h, lay["fc1"], exact), *lay["fc2"])
-            x, h = add_norm(y, res, *nxt, rms=False)
+            x, h = self.lin_add_norm(self._mlp_up(h, lay["fc1"], exact), lay["fc2"], res, *nxt, rms=False)
         return h
 
     def prefill(self, ids, mask, pos_ids, kv, key_bias):
@@ -496,34 +508,33 @@ class _OPTBlock(_DecodeBlock):
         """[..., 3, H, D] projections (fused or three GEMMs)."""
         shape = h.shape[:-1] + (3, self.n_heads, self.head_dim)
         if self.fuse_qkv:
-            return _lin(h, *lay["qkv"]).view(shape)
-        return torch.stack([_lin(h, *lay[n]) for n in "qkv"], dim=-2).view(shape)
+            return self.lin(h, *lay["qkv"]).view(shape)
+        return torch.stack([self.lin(h, *lay[n]) for n in "qkv"], dim=-2).view(shape)
 
     def _body(self, x, attend):
         """Embeddings -> last hidden state before project_out; attend(layer, h) -> context.
         Residual adds are fused with the norm that follows them (pre- or post-LN)."""
-        add_norm, last = self.norms(x), len(self.layers) - 1
-        mlp = lambda h, lay: _lin(lay["act"](_lin(h, *lay["fc1"])), *lay["fc2"])
+        last = len(self.layers) - 1
+        up = lambda h, lay: lay["act"](self.lin(h, *lay["fc1"]))  # noqa: E731
         if not self.pre_ln:
             for li, lay in enumerate(self.layers):
-                _, x = add_norm(_lin(attend(li, x), *lay["o"]), x, *lay["ln1"], rms=False)
-                _, x = add_norm(mlp(x, lay), x, *lay["ln2"], rms=False)
+                _, x = self.lin_add_norm(attend(li, x), lay["o"], x, *lay["ln1"], rms=False)
+                _, x = self.lin_add_norm(up(x, lay), lay["fc2"], x, *lay["ln2"], rms=False)
             return x if self.ln_f is None else self._ln(x, self.ln_f)
         h = self._ln(x, self.layers[0]["ln1"])
         for li, lay in enumerate(self.layers):
-            x, h = add_norm(_lin(attend(li, h), *lay["o"]), x, *lay["ln2"], rms=False)
-            y = mlp(h, lay)
+            x, h = self.lin_add_norm(attend(li, h), lay["o"], x, *lay["ln2"], rms=False)
             nxt = self.ln_f if li == last else self.layers[li + 1]["ln1"]
             if nxt is None:
-                h = x + y
+                h = x + self.lin(up(h, lay), *lay["fc2"])
             else:
-                x, h = add_norm(y, x, *nxt, rms=False)
+                x, h = self.lin_add_norm(up(h, lay), lay["fc2"], x, *nxt, rms=False)
         return h
 
-    def _logits(self, h):
+    def _logits(self, h, lin=_lin):
         if self.project_out is not None:
-            h = _lin(h, self.project_out)
-        return _lin(h, self.head)
+            h = lin(h, self.project_out)
+        return lin(h, self.head)
 
     def prefill(self, ids, mask, pos_ids, kv, key_bias):
         B, P = ids.shape
@@ -545,7 +556,7 @@ class _OPTBlock(_DecodeBlock):
             kv[li].index_copy_(2, pos, qkv[:, 1:3].transpose(1, 2).unsqueeze(2))
             return _attend_decode(qkv[:, 0].unsqueeze(2), kv[li], Lb, bias, self.scale,
                                   self.attn_impl, pos)
-        return self._logits(self._body(self._embed(tok, row_pos), attend))
+        return self._logits(self._body(self._embed(tok, row_pos), attend), self.lin)
 
 
 def attention_window(config) -> Optional[int]:
@@ -652,22 +663,22 @@ class _LlamaBlock(_DecodeBlock):
         """[..., Hq + 2*Hkv, D] projections."""
         shape = h.shape[:-1] + (self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         if self.fuse_qkv:
-            return _lin(h, *lay["qkv"]).view(shape)
-        return torch.cat([_lin(h, *lay[n]) for n in "qkv"], dim=-1).view(shape)
+            return self.lin(h, *lay["qkv"]).view(shape)
+        return torch.cat([self.lin(h, *lay[n]) for n in "qkv"], dim=-1).view(shape)
 
-    def _mlp(self, h, lay):
-        return _lin(lay["act"](_lin(h, *lay["gate"])) * _lin(h, *lay["up"]), *lay["down"])
+    def _mlp_inner(self, h, lay):
+        return lay["act"](self.lin(h, *lay["gate"])) * self.lin(h, *lay["up"])
 
     def _body(self, x, attend):
         """Embeddings -> final-norm output; attend(layer, h) -> context. Residual adds are
         fused with the RMSNorm that follows them."""
-        add_norm, last = self.norms(x), len(self.layers) - 1
+        last = len(self.layers) - 1
         h = self._rms(x, self.layers[0]["ln1"])
         for li, lay in enumerate(self.layers):
             w, eps = lay["ln2"]
-            x, h = add_norm(_lin(attend(li, h), *lay["o"]), x, w, None, eps, rms=True)
+            x, h = self.lin_add_norm(attend(li, h), lay["o"], x, w, None, eps, rms=True)
             w, eps = self.ln_f if li == last else self.layers[li + 1]["ln1"]
-            x, h = add_norm(self._mlp(h, lay), x, w, None, eps, rms=True)
+            x, h = self.lin_add_norm(self._mlp_inner(h, lay), lay["down"], x, w, None, eps, rms=True)
         return h
 
     def prefill(self, ids, mask, pos_ids, kv, key_bias):
@@ -700,7 +711,7 @@ class _LlamaBlock(_DecodeBlock):
             kv[li].index_copy_(2, pos, src.unsqueeze(2))
             q = qk[:, :Hq].view(B, Hkv, Hq // Hkv, D)
             return _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl, pos)
-        return _lin(self._body(F.embedding(tok, self.embed), attend), self.head)
+        return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
 
 
 # --------------------------------------------------------------------------- generator
@@ -967,8 +978,10 @@ class FastGenerator:
             e = ws.eos_tensor(mode.eos)
             blocked = ws.t < ws.min_new
             logits.index_copy_(1, e, logits.index_select(1, e).masked_fill(blocked, float("-inf")))
+        argmax = (decode_triton.argmax if self.block.use_triton and decode_triton.TRITON_ARGMAX
+                  else decode_triton.argmax_ref)
         if not mode.do_sample:
-            return logits.argmax(-1)
+            return argmax(logits)
         x = logits.float()
         if mode.temperature != 1.0:
             x = x / mode.temperature
@@ -988,7 +1001,7 @@ class FastGenerator:
         probs = x.softmax(-1)
         # exponential race == categorical sample; clamp so that 0-probability tokens never win
         noise = torch.empty_like(probs).exponential_(generator=self._gen).clamp_min_(1e-20)
-        choice = (probs / noise).argmax(-1)
+        choice = argmax(probs / noise)
         return choice if idx is None else idx.gather(-1, choice[:, None]).squeeze(-1)
 
     def _advance(self, ws: _Workspace, Bb: int, nxt, mode: _Mode) -> None:

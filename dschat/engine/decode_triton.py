@@ -15,6 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dschat.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
 try:                                   # pragma: no cover - exercised on GPU machines
     import triton
     import triton.language as tl
@@ -78,13 +82,24 @@ def hf_gelu(y):
 if triton is not None:
 
     @triton.jit
-    def _add_norm_kernel(y_ptr, r_ptr, x_ptr, h_ptr, w_ptr, b_ptr, N, eps,
-                         sy, sr, sx, sh,
-                         BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_B: tl.constexpr):
+    def _add_norm_kernel(y_ptr, r_ptr, x_ptr, h_ptr, w_ptr, b_ptr, lb_ptr, N, eps,
+                         sy, sr, sx, sh, n_parts, s_part,
+                         BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_B: tl.constexpr,
+                         PARTS: tl.constexpr, HAS_LB: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
-        y = tl.load(y_ptr + row * sy + cols, mask=m, other=0.0).to(tl.float32)
+        if PARTS:
+            # y = the fp32 split-K partials of a linear (n_parts slices s_part apart) + its
+            # bias, rounded to the model dtype where the linear's output would have been
+            y = tl.zeros([BLOCK], tl.float32)
+            for i in range(0, n_parts):
+                y += tl.load(y_ptr + i * s_part + row * sy + cols, mask=m, other=0.0)
+            if HAS_LB:
+                y += tl.load(lb_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            y = tl.load(y_ptr + row * sy + cols, mask=m, other=0.0).to(tl.float32)
         r = tl.load(r_ptr + row * sr + cols, mask=m, other=0.0).to(tl.float32)
         x = (y + r).to(x_ptr.dtype.element_ty)            # the residual stream, rounded as HF's add
         tl.store(x_ptr + row * sx + cols, x, mask=m)
@@ -109,13 +124,23 @@ def add_norm(y, r, w, b, eps: float, rms: bool):
     if (triton is None or y.dim() != 2 or w is None
             or (y.device.type != "cuda" and not _interpreting())):
         return add_norm_ref(y, r, w, b, eps, rms)
-    rows, N = y.shape
-    x = torch.empty_like(y)
-    h = torch.empty_like(y)
+    return _launch_add_norm(y, r, w, b, eps, rms)
+
+
+def _launch_add_norm(y, r, w, b, eps: float, rms: bool, parts=None, lin_b=None):
+    """y [rows, N]; or parts [S, rows, N] fp32 (y then = sum over S + lin_b, rounded)."""
+    rows, N = r.shape
+    x = torch.empty_like(r)
+    h = torch.empty_like(r)
     block = triton.next_power_of_2(N)
-    _add_norm_kernel[(rows,)](y, r, x, h, w, b if b is not None else w, N, float(eps),
-                              y.stride(0), r.stride(0), x.stride(0), h.stride(0),
+    src = parts if parts is not None else y
+    _add_norm_kernel[(rows,)](src, r, x, h, w, b if b is not None else w,
+                              lin_b if lin_b is not None else w, N, float(eps),
+                              src.stride(-2), r.stride(0), x.stride(0), h.stride(0),
+                              parts.shape[0] if parts is not None else 0,
+                              parts.stride(0) if parts is not None else 0,
                               BLOCK=block, RMS=bool(rms), HAS_B=b is not None,
+                              PARTS=parts is not None, HAS_LB=lin_b is not None,
                               num_warps=4 if block <= 2048 else 8)
     return x, h
 
@@ -388,17 +413,30 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
 # ---------------------------------------------------------------------------- linear
 
 # The decode step's linears multiply a few rows (the batch) by a whole weight: bound by
-# reading the weight, and at bloom-560m sizes (2-8 MB) cuBLAS took ~5 us each, a third of
-# the copy bandwidth (RESULTS_decode.md), plus a split-K reduce kernel for the K=4096 ones.
-# `linear` is a one-kernel alternative for up to 64 rows: each program owns BLOCK_N output
-# columns and walks all of K (no split-K, no second kernel), bias and tanh-GELU in its
-# epilogue. Off until timed on a GPU (`benchmarks/linear_bench.py`); checked in Triton's
-# CPU interpreter against F.linear.
-DECODE_LINEAR = False
-LINEAR_BLOCK_N: "int | None" = None   # None: the widest of 64/32/16 giving 2 programs per SM
+# reading the weight. cuBLAS picks well for most such shapes but not all (RESULTS_decode.md
+# runs 4-5: at bloom-560m's K=4096 linear it adds a split-K reduce kernel; at bloom-7b1's
+# N=4096 ones its kernel is 2-6% under a Triton one). Two Triton kernels:
+# - `_linear_kernel`: each program owns BLOCK_N output columns and walks all of K, bias and
+#   tanh-GELU in its epilogue (no second kernel);
+# - `_linear_part_kernel`: split-K into fp32 partials [S, rows, N] that the add+norm kernel
+#   following the linear sums (+ bias, rounded to the model dtype as the linear's output
+#   would be): in a decoder block the attention-output and MLP-down projections are
+#   always followed by the residual add + norm, so the split costs no reduce kernel.
+# DECODE_LINEAR: False - cuBLAS (F.linear) everywhere; True - `_linear_kernel` with the
+# fixed rule below everywhere; "auto" - per shape the fastest of cuBLAS and a few Triton
+# configurations, timed once per process on first use (replayed from a CUDA graph over
+# copies of the weight larger than L2, outside any capture) and logged; within 3% cuBLAS
+# is kept. Choices can differ between processes (like cudnn.benchmark), so bf16 results
+# can differ in the last bit between runs; False gives cuBLAS's determinism.
+DECODE_LINEAR: "bool | str" = "auto"
+LINEAR_BLOCK_N: "int | None" = None   # True's rule; None: the widest of 64/32/16 giving 2 programs per SM
 LINEAR_BLOCK_K = 128
 LINEAR_WARPS = 4
 LINEAR_STAGES: "int | None" = None
+# tests: {"linear": (BLOCK_N, BLOCK_K), "linear+norm": (splits, BLOCK_N, BLOCK_K)} used by
+# "auto" instead of timing (an op left out: cuBLAS)
+LINEAR_FORCE: "dict | None" = None
+_TUNE_MARGIN = 0.97                   # a Triton candidate must take < 97% of cuBLAS's time
 
 
 def linear_ref(x, w, b=None, gelu: bool = False):
@@ -407,6 +445,18 @@ def linear_ref(x, w, b=None, gelu: bool = False):
 
 
 if triton is not None:
+
+    @triton.jit
+    def _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k_ok, sx, sw,
+                   LIBDEVICE: tl.constexpr, IEEE: tl.constexpr):
+        x = tl.load(x_ptr + offs_m[:, None] * sx + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * sw + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if not LIBDEVICE:             # Triton's CPU interpreter gets bf16 dots wrong (3.9)
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        if IEEE:                      # fp32 models: full-precision products, not TF32
+            return acc + tl.dot(x, w, input_precision="ieee")
+        return acc + tl.dot(x, w)
 
     @triton.jit
     def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy,
@@ -421,16 +471,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
-            k_ok = k < K
-            x = tl.load(x_ptr + offs_m[:, None] * sx + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + offs_n[None, :] * sw + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            if not LIBDEVICE:         # Triton's CPU interpreter gets bf16 dots wrong (3.9)
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            if IEEE:                  # fp32 models: full-precision products, not TF32
-                acc += tl.dot(x, w, input_precision="ieee")
-            else:
-                acc += tl.dot(x, w)
+            acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < K, sx, sw,
+                             LIBDEVICE, IEEE)
         if HAS_B:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GELU:                                        # tanh-GELU in fp32, as cuBLASLt's epilogue
@@ -443,6 +485,35 @@ if triton is not None:
         tl.store(y_ptr + offs_m[:, None] * sy + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
+    @triton.jit
+    def _linear_part_kernel(x_ptr, w_ptr, p_ptr, M, N, K, chunk, sx, sw,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            LIBDEVICE: tl.constexpr, IEEE: tl.constexpr, WHILE: tl.constexpr):
+        """Split s of K (program axis 1): fp32 partial x[:, ks] @ w[ns, ks].T -> p[s]."""
+        s = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        start = s * chunk
+        end = tl.minimum(start + chunk, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if WHILE:                     # Triton's CPU interpreter path
+            k0 = start
+            while k0 < end:
+                k = k0 + offs_k
+                acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < end, sx, sw,
+                                 LIBDEVICE, IEEE)
+                k0 += BLOCK_K
+        else:
+            for k0 in range(start, end, BLOCK_K):
+                k = k0 + offs_k
+                acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < end, sx, sw,
+                                 LIBDEVICE, IEEE)
+        tl.store(p_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], acc,
+                 mask=m_ok[:, None] & n_ok[None, :])
+
 
 def _linear_block_n(N: int) -> int:
     if LINEAR_BLOCK_N:
@@ -453,22 +524,233 @@ def _linear_block_n(N: int) -> int:
     return 16
 
 
-def linear(x, w, b=None, gelu: bool = False):
-    """y = x @ w.T (+ b) (then tanh-GELU) for 2-D x of at most 64 rows on CUDA in one
-    Triton kernel; anything else goes to `linear_ref` (F.linear)."""
-    if (triton is None or x.dim() != 2 or x.shape[0] > 64 or x.stride(-1) != 1 or w.stride(-1) != 1
-            or (x.device.type != "cuda" and not _interpreting())):
-        return linear_ref(x, w, b, gelu)
+def _triton_ok(x, w) -> bool:
+    return (triton is not None and x.dim() == 2 and x.shape[0] <= 64 and x.stride(-1) == 1
+            and w.stride(-1) == 1 and (x.device.type == "cuda" or _interpreting()))
+
+
+def _linear_triton(x, w, b, gelu: bool, bn: int, bk: int, warps: int, stages=None):
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    bn = _linear_block_n(N)
-    stages = {"num_stages": LINEAR_STAGES} if LINEAR_STAGES else {}
     _linear_kernel[(triton.cdiv(N, bn),)](
         x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=LINEAR_BLOCK_K,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
         HAS_B=b is not None, GELU=bool(gelu), LIBDEVICE=not _interpreting(),
-        IEEE=x.dtype == torch.float32, num_warps=LINEAR_WARPS,
-        **stages)
+        IEEE=x.dtype == torch.float32, num_warps=warps,
+        **({"num_stages": stages} if stages else {}))
     return y
 
+
+def _linear_parts(x, w, splits: int, bn: int, bk: int):
+    """fp32 partials [splits, M, N] of x @ w.T over `splits` slices of K."""
+    M, K = x.shape
+    N = w.shape[0]
+    chunk = triton.cdiv(triton.cdiv(K, splits), bk) * bk
+    splits = triton.cdiv(K, chunk)
+    parts = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    _linear_part_kernel[(triton.cdiv(N, bn), splits)](
+        x, w, parts, M, N, K, chunk, x.stride(0), w.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
+        LIBDEVICE=not _interpreting(), IEEE=x.dtype == torch.float32, WHILE=_interpreting(),
+        num_warps=4)
+    return parts
+
+
+def linear(x, w, b=None, gelu: bool = False):
+    """y = x @ w.T (+ b) (then tanh-GELU) for 2-D x of at most 64 rows on CUDA in one
+    Triton kernel (the fixed LINEAR_* rule); anything else goes to `linear_ref`."""
+    if not _triton_ok(x, w):
+        return linear_ref(x, w, b, gelu)
+    return _linear_triton(x, w, b, gelu, _linear_block_n(w.shape[0]), LINEAR_BLOCK_K, LINEAR_WARPS,
+                          LINEAR_STAGES)
+
+
+# ---------------------------------------------------------------------------- per-shape choice
+
+# Triton candidates (BLOCK_N, BLOCK_K), 4 warps: the winners of benchmarks/linear_bench.py
+# over bloom-560m and bloom-7b1's decode linears at batch 1, 16 and 64 (RESULTS_decode.md run 5)
+_TILES = ((16, 256), (32, 128), (32, 256), (64, 128))
+_SPLITS = (1, 2, 4, 8)
+_CHOICE: dict = {}
+
+
+def _linear_candidates(K: int, parts: bool) -> dict:
+    out = {"cublas": None}
+    for bn, bk in _TILES:
+        if not parts:
+            out[f"triton n{bn} k{bk}"] = (bn, bk)
+            continue
+        for sp in _SPLITS:
+            if K >= sp * bk:
+                out[f"triton split{sp} n{bn} k{bk}"] = (sp, bn, bk)
+    return out
+
+
+def _graph_us(fn, n_calls: int) -> float:
+    """Microseconds per call of fn(i) for i in 0..n_calls-1, replayed from one CUDA graph
+    (eager launches of a few-microsecond kernel would time the host, not the GPU)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(2):                    # compile, cuBLAS workspace
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_calls):
+            fn(i)
+    graph.replay()
+    best = float("inf")
+    for _ in range(3):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        graph.replay()
+        t1.record()
+        t1.synchronize()
+        best = min(best, t0.elapsed_time(t1) * 1000.0 / n_calls)
+    del graph
+    return best
+
+
+def _choose(key: tuple, cands: dict, run, w):
+    """The candidate config for this shape (None: cuBLAS): forced, cached, or timed now
+    (run(cfg, w) makes one call with weight w). While a graph is being captured nothing can
+    be timed: cuBLAS for this call, and the choice is made at the next uncaptured call."""
+    if LINEAR_FORCE is not None:
+        return LINEAR_FORCE.get(key[1])
+    name = _CHOICE.get(key)
+    if name is not None:
+        return cands[name]
+    if w.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    # distinct weight copies cycled through, > 128 MB together, so that L2 (50 MB on an
+    # H200) holds none of them when it comes round again, as in a real step
+    nbytes = w.numel() * w.element_size()
+    copies = [w] + [w.clone() for _ in range(min(16, -(-(128 << 20) // nbytes)) - 1)]
+    n_calls = max(len(copies), 4 if nbytes > (64 << 20) else 16)
+    times = {}
+    for name, cfg in cands.items():
+        try:
+            times[name] = _graph_us(lambda i: run(cfg, copies[i % len(copies)]), n_calls)
+        except Exception as exc:                       # a config this GPU cannot run
+            times[name] = float("inf")
+            logger.debug("decode linear candidate %s failed: %s", name, exc)
+    best = min(times, key=times.get)
+    if times[best] >= _TUNE_MARGIN * times["cublas"]:
+        best = "cublas"
+    _CHOICE[key] = best
+    logger.info("decode linear %s: %s (%.1f us; cuBLAS %.1f us)", key[1:], best, times[best],
+                times["cublas"])
+    return cands[best]
+
+
+def tuned_linear(x, w, b=None, gelu: bool = False, epilogue: bool = False):
+    """`linear_ref` (or cuBLASLt's bias+GELU epilogue when `epilogue`) or a Triton kernel,
+    whichever "auto" timed fastest for this shape."""
+    def cublas(w_):
+        if gelu and epilogue and b is not None:
+            return torch._addmm_activation(b, x, w_.t(), use_gelu=True)
+        return linear_ref(x, w_, b, gelu)
+    if not _triton_ok(x, w):
+        return cublas(w)
+    M, K = x.shape
+    cands = _linear_candidates(K, parts=False)
+
+    def run(cfg, w_):
+        return cublas(w_) if cfg is None else _linear_triton(x, w_, b, gelu, *cfg, warps=4)
+    key = (str(x.device), "linear", M, w.shape[0], K, str(x.dtype), b is not None, gelu)
+    return run(_choose(key, cands, run, w), w)
+
+
+def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool):
+    """add_norm(F.linear(a, w, b), r, nw, nb, eps, rms) -> (x, h), the linear split over K
+    into partials that the add+norm kernel sums, where "auto" timed that faster than
+    cuBLAS + add+norm for this shape."""
+    if not _triton_ok(a, w) or nw is None:
+        return add_norm(F.linear(a, w, b), r, nw, nb, eps, rms)
+    M, K = a.shape
+    cands = _linear_candidates(K, parts=True)
+
+    def run(cfg, w_):
+        if cfg is None:
+            return add_norm(F.linear(a, w_, b), r, nw, nb, eps, rms)
+        return _launch_add_norm(None, r, nw, nb, eps, rms, parts=_linear_parts(a, w_, *cfg), lin_b=b)
+    key = (str(a.device), "linear+norm", M, w.shape[0], K, str(a.dtype), b is not None, bool(rms))
+    return run(_choose(key, cands, run, w), w)
+
+
+# ---------------------------------------------------------------------------- argmax
+
+TRITON_ARGMAX = True                  # False: torch's argmax in the decode step (A/B switch)
+
+
+def argmax_ref(x):
+    return x.argmax(-1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _argmax_part_kernel(x_ptr, v_ptr, i_ptr, V, sx, chunk, S,
+                            BLOCK: tl.constexpr, WHILE: tl.constexpr):
+        """Largest value and its first index in slice s (axis 1) of row (axis 0)."""
+        row = tl.program_id(0)
+        s = tl.program_id(1)
+        start = s * chunk
+        end = tl.minimum(start + chunk, V)
+        best_v = tl.full([], float("-inf"), tl.float32)
+        best_i = tl.full([], 0, tl.int32) + start
+        if WHILE:
+            n0 = start
+            while n0 < end:
+                best_v, best_i = _argmax_block(x_ptr + row * sx, n0, end, best_v, best_i, BLOCK)
+                n0 += BLOCK
+        else:
+            for n0 in range(start, end, BLOCK):
+                best_v, best_i = _argmax_block(x_ptr + row * sx, n0, end, best_v, best_i, BLOCK)
+        tl.store(v_ptr + row * S + s, best_v)
+        tl.store(i_ptr + row * S + s, best_i)
+
+    @triton.jit
+    def _argmax_block(base, n0, end, best_v, best_i, BLOCK: tl.constexpr):
+        offs = n0 + tl.arange(0, BLOCK)
+        v = tl.load(base + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
+        v = tl.where(v != v, float("inf"), v)            # NaN counts as the largest value
+        m = tl.max(v, axis=0)
+        i = tl.min(tl.where(v == m, offs, 2147483647), axis=0)
+        take = m > best_v                                 # strictly: an earlier block keeps ties
+        return tl.where(take, m, best_v), tl.where(take, i, best_i)
+
+    @triton.jit
+    def _argmax_combine_kernel(v_ptr, i_ptr, out_ptr, S, SP: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, SP)
+        ok = offs < S
+        v = tl.load(v_ptr + row * S + offs, mask=ok, other=float("-inf"))
+        i = tl.load(i_ptr + row * S + offs, mask=ok, other=2147483647)
+        m = tl.max(v, axis=0)
+        tl.store(out_ptr + row, tl.min(tl.where(ok & (v == m), i, 2147483647), axis=0).to(tl.int64))
+
+
+def argmax(x):
+    """x.argmax(-1) for 2-D [rows, V] on CUDA in two small kernels (slices of each row, then
+    their merge): torch's reduction ran one 13.6 us kernel over bloom's 250880 logits x 16
+    rows, a reduction it parallelises poorly (RESULTS_decode.md run 5). Same index as
+    torch's, the first of equal maxima; NaN is taken as the largest value."""
+    if (triton is None or x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] >= 2 ** 31
+            or (x.device.type != "cuda" and not _interpreting())):
+        return argmax_ref(x)
+    rows, V = x.shape
+    block = 1024
+    splits = max(1, min(triton.cdiv(1024, rows), triton.cdiv(V, 4 * block)))
+    chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
+    splits = triton.cdiv(V, chunk)
+    vals = torch.empty(rows, splits, dtype=torch.float32, device=x.device)
+    idx = torch.empty(rows, splits, dtype=torch.int32, device=x.device)
+    out = torch.empty(rows, dtype=torch.long, device=x.device)
+    _argmax_part_kernel[(rows, splits)](x, vals, idx, V, x.stride(0), chunk, splits, BLOCK=block,
+                                        WHILE=_interpreting(), num_warps=4)
+    _argmax_combine_kernel[(rows,)](vals, idx, out, splits, SP=max(2, triton.next_power_of_2(splits)),
+                                    num_warps=1)
+    return out

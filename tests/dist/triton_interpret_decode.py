@@ -2,7 +2,8 @@
 tests/test_decode.py starts it): the attention kernel with and without the fused K/V write
 against the PyTorch reference (cache contents and outputs), the fused add+norm, the decode
 linear, then FastGenerator with the Triton attention (and, for Bloom, the Triton linears)
-against HF generate (fp32 tokens)."""
+against HF generate (fp32 tokens); the split-K linear summed by the add+norm kernel and
+the two-kernel argmax."""
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from dschat.engine import decode, decode_triton as dt
@@ -48,6 +49,27 @@ for M, N, K in [(3, 40, 70), (16, 96, 256), (1, 17, 33)]:        # the decode li
             torch.testing.assert_close(dt.linear(x, w, b, gelu), dt.linear_ref(x, w, b, gelu),
                                        atol=1e-4, rtol=1e-4)
 dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K = None, 128
+# split-K partials summed by the add+norm kernel (+ the linear's bias) == add_norm(F.linear)
+for M, N, K in [(3, 40, 70), (16, 96, 256)]:
+    for splits, bn, bk in ((1, 16, 32), (2, 32, 32), (3, 16, 16), (8, 16, 32)):
+        for rms, bias in ((False, True), (True, False)):
+            x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen) / K ** 0.5
+            b = torch.randn(N, generator=gen) if bias else None
+            r, nw, nb = torch.randn(M, N, generator=gen), torch.randn(N, generator=gen), \
+                None if rms else torch.randn(N, generator=gen)
+            want = dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, rms)
+            dt.LINEAR_FORCE = {"linear+norm": (splits, bn, bk), "linear": (bn, bk)}
+            for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, rms), want):
+                torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(dt.tuned_linear(x, w, b), dt.linear_ref(x, w, b), atol=1e-4, rtol=1e-4)
+dt.LINEAR_FORCE = None
+# argmax: the first of tied maxima (ties within and across slices), all -inf rows, bf16
+x = torch.randint(0, 7, (5, 9000), generator=gen).float()
+x[1] = float("-inf")
+x[2, 8999] = 100.0
+x[3, 4096] = x[3, 12] = 50.0
+for t in (x, x.bfloat16(), x[:, :1000], x[:1]):
+    assert torch.equal(dt.argmax(t), t.argmax(-1)), (dt.argmax(t), t.argmax(-1))
 print("kernels match their references")
 CONFIGS = {
     # large init std: greedy continuations that vary (tests/test_decode.py does the same)
@@ -83,14 +105,17 @@ for family, kwargs in CONFIGS.items():
         fg.step_callback = lambda s, logits: steps.append(logits.clone())
         outs[fused] = (fg.generate(ids, mask, **kw), torch.stack(steps))
         print(family, "fused", fused, "tokens equal HF:", torch.equal(outs[fused][0], want))
-    if family == "bloom":      # every decode linear in the Triton kernel as well
-        dt.DECODE_LINEAR = True
+    # every decode linear in a Triton kernel: the fixed rule (Bloom), and "auto" forced to
+    # Triton for plain linears and split-K partials summed by the add+norm kernel
+    for lin_mode, force in ([(True, None)] if family == "bloom" else []) + [
+            ("auto", {"linear": (16, 32), "linear+norm": (2, 16, 32)})]:
+        dt.DECODE_LINEAR, dt.LINEAR_FORCE = lin_mode, force
         fg = decode.FastGenerator(model, max_prompt_len=12, max_new_tokens=10, attn_impl="triton",
                                   use_triton=True)
         got = fg.generate(ids, mask, **kw)
-        dt.DECODE_LINEAR = False
-        print(family, "Triton linears, tokens equal HF:", torch.equal(got, want))
-        assert torch.equal(got, want)
+        dt.DECODE_LINEAR, dt.LINEAR_FORCE = "auto", None
+        print(family, "Triton linears", lin_mode, "tokens equal HF:", torch.equal(got, want))
+        assert torch.equal(got, want), (family, lin_mode)
     a, b = outs[True][1], outs[False][1]
     fin = torch.isfinite(b)
     assert torch.equal(fin, torch.isfinite(a))
