@@ -307,7 +307,7 @@ def run_case(preset, dtype, B, P, T, args, numerics_list, agree, sample=False, s
                 row.update(agreement(hf, fr, P))
             # the per-shape decode linears "auto" picked so far in this process
             row["linear_choices"] = {" ".join(map(str, k[1:6])): str(v)
-                                     for k, v in decode.decode_triton._CHOICE.items()}
+                                     for k, (v, _) in decode.decode_triton._CHOICE.items()}
         except Exception as exc:                       # keep the other cases going
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]

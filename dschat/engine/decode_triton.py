@@ -529,7 +529,7 @@ def _triton_ok(x, w) -> bool:
             and w.stride(-1) == 1 and (x.device.type == "cuda" or _interpreting()))
 
 
-def _linear_triton(x, w, b, gelu: bool, bn: int, bk: int, warps: int, stages=None):
+def _linear_triton(x, w, b, gelu: bool, bn: int, bk: int, warps: int = 4, stages=None):
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -542,7 +542,7 @@ def _linear_triton(x, w, b, gelu: bool, bn: int, bk: int, warps: int, stages=Non
     return y
 
 
-def _linear_parts(x, w, splits: int, bn: int, bk: int):
+def _linear_parts(x, w, splits: int, bn: int, bk: int, warps: int = 4, stages=None):
     """fp32 partials [splits, M, N] of x @ w.T over `splits` slices of K."""
     M, K = x.shape
     N = w.shape[0]
@@ -553,7 +553,7 @@ def _linear_parts(x, w, splits: int, bn: int, bk: int):
         x, w, parts, M, N, K, chunk, x.stride(0), w.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
         LIBDEVICE=not _interpreting(), IEEE=x.dtype == torch.float32, WHILE=_interpreting(),
-        num_warps=4)
+        num_warps=warps, **({"num_stages": stages} if stages else {}))
     return parts
 
 
@@ -572,7 +572,8 @@ def linear(x, w, b=None, gelu: bool = False):
 # over bloom-560m and bloom-7b1's decode linears at batch 1, 16 and 64 (RESULTS_decode.md run 5)
 _TILES = ((16, 256), (32, 128), (32, 256), (64, 128))
 _SPLITS = (1, 2, 4, 8)
-_CHOICE: dict = {}
+_REFINE = ((4, 2), (4, 4), (4, 5), (8, 3), (8, 4))     # (warps, stages) tried on the winner
+_CHOICE: dict = {}                                      # shape key -> (name, config)
 
 
 def _linear_candidates(K: int, parts: bool) -> dict:
@@ -619,9 +620,8 @@ def _choose(key: tuple, cands: dict, run, w):
     be timed: cuBLAS for this call, and the choice is made at the next uncaptured call."""
     if LINEAR_FORCE is not None:
         return LINEAR_FORCE.get(key[1])
-    name = _CHOICE.get(key)
-    if name is not None:
-        return cands[name]
+    if key in _CHOICE:
+        return _CHOICE[key][1]
     if w.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     # distinct weight copies cycled through, > 128 MB together, so that L2 (50 MB on an
@@ -630,16 +630,23 @@ def _choose(key: tuple, cands: dict, run, w):
     copies = [w] + [w.clone() for _ in range(min(16, -(-(128 << 20) // nbytes)) - 1)]
     n_calls = max(len(copies), 4 if nbytes > (64 << 20) else 16)
     times = {}
-    for name, cfg in cands.items():
-        try:
-            times[name] = _graph_us(lambda i: run(cfg, copies[i % len(copies)]), n_calls)
-        except Exception as exc:                       # a config this GPU cannot run
-            times[name] = float("inf")
-            logger.debug("decode linear candidate %s failed: %s", name, exc)
+
+    def race(cands):
+        for name, cfg in cands.items():
+            try:
+                times[name] = _graph_us(lambda i: run(cfg, copies[i % len(copies)]), n_calls)
+            except Exception as exc:                   # a config this GPU cannot run
+                times[name] = float("inf")
+                logger.debug("decode linear candidate %s failed: %s", name, exc)
+    race(cands)
     best = min(times, key=times.get)
+    if best != "cublas":      # then the winner's warps and pipelining stages (default 4, 3)
+        cands = dict(cands, **{f"{best} w{nw} st{ns}": cands[best] + (nw, ns) for nw, ns in _REFINE})
+        race({n: c for n, c in cands.items() if n not in times})
+        best = min(times, key=times.get)
     if times[best] >= _TUNE_MARGIN * times["cublas"]:
         best = "cublas"
-    _CHOICE[key] = best
+    _CHOICE[key] = (best, cands[best])
     logger.info("decode linear %s: %s (%.1f us; cuBLAS %.1f us)", key[1:], best, times[best],
                 times["cublas"])
     return cands[best]
@@ -658,7 +665,7 @@ def tuned_linear(x, w, b=None, gelu: bool = False, epilogue: bool = False):
     cands = _linear_candidates(K, parts=False)
 
     def run(cfg, w_):
-        return cublas(w_) if cfg is None else _linear_triton(x, w_, b, gelu, *cfg, warps=4)
+        return cublas(w_) if cfg is None else _linear_triton(x, w_, b, gelu, *cfg)
     key = (str(x.device), "linear", M, w.shape[0], K, str(x.dtype), b is not None, gelu)
     return run(_choose(key, cands, run, w), w)
 

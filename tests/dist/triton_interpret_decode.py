@@ -51,14 +51,14 @@ for M, N, K in [(3, 40, 70), (16, 96, 256), (1, 17, 33)]:        # the decode li
 dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K = None, 128
 # split-K partials summed by the add+norm kernel (+ the linear's bias) == add_norm(F.linear)
 for M, N, K in [(3, 40, 70), (16, 96, 256)]:
-    for splits, bn, bk in ((1, 16, 32), (2, 32, 32), (3, 16, 16), (8, 16, 32)):
+    for splits, bn, bk, *ws in ((1, 16, 32), (2, 32, 32), (3, 16, 16), (8, 16, 32, 8, 4)):
         for rms, bias in ((False, True), (True, False)):
             x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen) / K ** 0.5
             b = torch.randn(N, generator=gen) if bias else None
             r, nw, nb = torch.randn(M, N, generator=gen), torch.randn(N, generator=gen), \
                 None if rms else torch.randn(N, generator=gen)
             want = dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, rms)
-            dt.LINEAR_FORCE = {"linear+norm": (splits, bn, bk), "linear": (bn, bk)}
+            dt.LINEAR_FORCE = {"linear+norm": (splits, bn, bk, *ws), "linear": (bn, bk, *ws)}
             for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, rms), want):
                 torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(dt.tuned_linear(x, w, b), dt.linear_ref(x, w, b), atol=1e-4, rtol=1e-4)
