@@ -62,6 +62,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--pos", type=int, nargs="+", default=[300, 450], help="Cache slot of the step (keys 0..pos).")
+    ap.add_argument("--shapes", nargs="+", default=None, help=f"Subset of {list(SHAPES)}.")
+    ap.add_argument("--filter", nargs="+", default=None,
+                    help="Keep only variants whose label contains one of these (bmm always kept).")
     ap.add_argument("--smoke", action="store_true",
                     help="A tiny shape and a few variants on CPU (needs TRITON_INTERPRET=1); checks the script.")
     args = ap.parse_args()
@@ -70,6 +73,10 @@ def main():
         SHAPES.clear()
         SHAPES["tiny"] = (2, 2, 16, 64)
         args.pos = [40]
+    if args.shapes:
+        for name in list(SHAPES):
+            if name not in args.shapes:
+                del SHAPES[name]
     dtype = torch.bfloat16
     rows = []
     for (name, (B, H, D, L)), pos in itertools.product(SHAPES.items(), args.pos):
@@ -102,10 +109,19 @@ def main():
         for stages in (1, 2, 4):
             variants.append((f"triton rule st{stages}", dict(impl="triton", splits=None, bn=None, warps=None,
                                                              stages=stages, fused=True)))
+        for splits, bn, warps in itertools.product((None, 1, 2, 4), (32, 64, 128), (4, 8)):
+            if bn * D > 16384:
+                continue
+            variants.append((f"triton dot s{splits or 'rule'} bn{bn} w{warps}",
+                             dict(impl="triton", splits=splits, bn=bn, warps=warps, stages=None, fused=True,
+                                  dot=True)))
         variants.append(("triton rule, K/V written apart", dict(impl="triton", splits=None, bn=None, warps=None,
                                                                 stages=None, fused=False)))
         if args.smoke:
-            variants = variants[:2] + [v for v in variants if "rule" in v[0]]
+            variants = (variants[:2] + [v for v in variants if "rule" in v[0] and "dot" not in v[0]]
+                        + [v for v in variants if "dot" in v[0]][:1])
+        if args.filter:
+            variants = [v for v in variants if v[0].startswith("bmm") or any(f in v[0] for f in args.filter)]
         for label, v in variants:
             try:
                 if v["impl"] == "bmm":
@@ -118,6 +134,7 @@ def main():
                     dt.ATTN_SPLITS, dt.ATTN_BLOCK_N = v["splits"], v["bn"]
                     dt.ATTN_WARPS, dt.ATTN_STAGES = v["warps"], v["stages"]
                     dt.ATTN_INLINE_COMBINE = v.get("inline", False)
+                    dt.ATTN_DOT = v.get("dot", False)
                     if v["fused"]:
                         def fn():
                             return dt.decode_attention(q, kv, bias, p, scale, new_kv=new)
@@ -132,7 +149,7 @@ def main():
                 rows.append(dict(shape=name, pos=pos, variant=label, us=float("nan"), tb_s=0.0,
                                  err=float("nan"), error=f"{type(exc).__name__}: {str(exc)[:120]}"))
         dt.ATTN_SPLITS, dt.ATTN_BLOCK_N, dt.ATTN_WARPS, dt.ATTN_STAGES = None, None, None, None
-        dt.ATTN_INLINE_COMBINE = False
+        dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = False, False
         best = sorted((r for r in rows if r["shape"] == name and r["pos"] == pos and r["us"] == r["us"]),
                       key=lambda r: r["us"])[:8]
         print(f"{name} pos {pos}: " + "; ".join(f"{r['variant']} {r['us']:.2f}us" for r in best), flush=True)

@@ -170,12 +170,12 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     # "fusedkv" / "nofusedkv": the Triton attention writes the step's K/V itself or not
     # (decode_triton.FUSE_KV_WRITE); "inline": no combine kernel; "tlin": Triton decode linears
     # (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
-    # "torchargmax": torch's argmax (default: decode_triton.argmax)
+    # "torchargmax": torch's argmax (default: decode_triton.argmax); "dot": decode_triton.ATTN_DOT
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
     saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-             dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX)
+             dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT)
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -195,11 +195,13 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr.DECODE_LINEAR = False
         if f == "torchargmax":
             dtr.TRITON_ARGMAX = False
+        if f == "dot":              # tensor-core dots in the Triton decode attention
+            dtr.ATTN_DOT = True
     try:
         return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
     finally:
         (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-         dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX) = saved
+         dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT) = saved
 
 
 def _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample):

@@ -163,6 +163,10 @@ ATTN_WARPS: "int | None" = None        # 2 warps where one query head reads each
 # until timed on a GPU (`benchmarks/attn_bench.py` has the variant).
 ATTN_INLINE_COMBINE = False
 ATTN_STAGES: "int | None" = None       # software-pipelining stages of the key loop; None: Triton's
+# Scores and the value sum as tensor-core dots (query rows padded to 16; bf16 q.K^T with fp32
+# accumulation, p.V in TF32) instead of the per-key GEMV reductions; bf16/fp16 caches only.
+# Checked in Triton's CPU interpreter; off until timed on a GPU (attn_bench.py "dot" rows).
+ATTN_DOT = False
 # The attention kernel writes the step's K/V into the cache itself (one kernel less per
 # layer; the Bloom and OPT blocks, where the decode attention is the Triton one). H200,
 # bloom-560m bf16: 1.311 vs 1.382 ms/step at batch 16, 2.174 vs 2.210 at batch 64
@@ -189,18 +193,25 @@ if triton is not None:
 
     @triton.jit
     def _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale, skv_l, gmask, offs_d,
-                    D: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr):
-        """Online-softmax update with keys n0 .. n0+BLOCK_N (those < end)."""
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr, DOT: tl.constexpr,
+                    INTERP: tl.constexpr):
+        """Online-softmax update with keys n0 .. n0+BLOCK_N (those < end). q [GP, D] in the
+        cache dtype when DOT (tensor-core dots; GP >= 16 rows, the padding rows zero), else fp32."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        k = tl.load(kv_base + offs_n[:, None] * skv_l + offs_d[None, :],
-                    mask=valid[:, None], other=0.0).to(tl.float32)
+        k = tl.load(kv_base + offs_n[:, None] * skv_l + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(kv_base + offs_n[:, None] * skv_l + D + offs_d[None, :],
                     mask=valid[:, None], other=0.0).to(tl.float32)
-        if GP == 1:                   # one query head per K/V head: plain 2-D GEMV math
-            s = tl.sum(k * tl.sum(q, axis=0)[None, :], axis=1)[None, :] * scale
+        if DOT:
+            # bf16/fp16 q.K^T with fp32 accumulation (exact products), then p.V in TF32
+            if INTERP:                # Triton's CPU interpreter gets bf16 dots wrong (3.9)
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+        elif GP == 1:                 # one query head per K/V head: plain 2-D GEMV math
+            s = tl.sum(k.to(tl.float32) * tl.sum(q, axis=0)[None, :], axis=1)[None, :] * scale
         else:
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale          # [GP, BLOCK_N]
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale   # [GP, BLOCK_N]
         s += tl.load(b_base[:, None] + offs_n[None, :],
                      mask=gmask[:, None] & valid[None, :], other=0.0).to(tl.float32)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -208,7 +219,9 @@ if triton is not None:
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if GP == 1:
+        if DOT:
+            pv = tl.dot(p, v, input_precision="ieee" if INTERP else "tf32")
+        elif GP == 1:
             pv = tl.sum(tl.sum(p, axis=0)[:, None] * v, axis=0)[None, :]
         else:
             pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
@@ -242,7 +255,8 @@ if triton is not None:
                            sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h, sn_b, sn_h, sn_v,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
-                           FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr):
+                           FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr, DOT: tl.constexpr,
+                           GS: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
@@ -256,8 +270,10 @@ if triton is not None:
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, D)
         gmask = offs_g < G
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_g[:, None] * sq_g + offs_d[None, :],
-                    mask=gmask[:, None], other=0.0).to(tl.float32)
+        q_in = tl.load(q_ptr + b * sq_b + h * sq_h + offs_g[:, None] * sq_g + offs_d[None, :],
+                       mask=gmask[:, None], other=0.0)
+        q = q_in.to(tl.float32)
+        qb = q_in if DOT else q                       # the dot's operand: the cache dtype
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -267,13 +283,13 @@ if triton is not None:
         if WHILE:                                     # Triton's CPU interpreter path
             n0 = start
             while n0 < end:
-                m_i, l_i, acc = _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
-                                            skv_l, gmask, offs_d, D, BLOCK_N, GP)
+                m_i, l_i, acc = _attn_block(qb, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
+                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE)
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
-                                            skv_l, gmask, offs_d, D, BLOCK_N, GP)
+                m_i, l_i, acc = _attn_block(qb, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
+                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE)
         if FUSED:
             # the step's own K/V: the program whose chunk holds slot pos writes it into the
             # cache (no separate index_copy kernel) and adds it to its softmax
@@ -297,17 +313,20 @@ if triton is not None:
             o_ptr = out_ptr + b * (Hkv * G * D) + (h * G + offs_g[:, None]) * D + offs_d[None, :]
             tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
         else:
-            row = (bh * SPLITS + split) * GP
-            tl.store(m_ptr + row + offs_g, m_i)
-            tl.store(l_ptr + row + offs_g, l_i)
-            tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc)
+            # partials of the GS (G rounded up to a power of two) rows the combine reads; the
+            # dot path's padding rows beyond them are dropped
+            row = (bh * SPLITS + split) * GS
+            smask = offs_g < GS
+            tl.store(m_ptr + row + offs_g, m_i, mask=smask)
+            tl.store(l_ptr + row + offs_g, l_i, mask=smask)
+            tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc, mask=smask[:, None])
             if INLINE_COMBINE:
                 # every thread's partial stores precede the arrival (barrier, then the
                 # atomic's release at GPU scope); the last arrival merges and re-arms the counter
                 tl.debug_barrier()
                 arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
                 if arrived == SPLITS - 1:
-                    _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, bh, Hkv, G, GP, D, SPLITS)
+                    _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, bh, Hkv, G, GS, D, SPLITS)
                     tl.atomic_xchg(count_ptr + bh, 0)
 
     @triton.jit
@@ -379,15 +398,18 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         if new_kv is not None:
             write_kv_ref(kv, new_kv, pos)
         return decode_attention_ref(q, kv, key_bias, pos, scale)
-    GP = max(1, triton.next_power_of_2(G))
+    GS = max(1, triton.next_power_of_2(G))
+    # tensor-core dots pad the query rows to 16 (bf16/fp16 caches; fp32 keeps exact FMA math)
+    dot = bool(ATTN_DOT) and (kv.dtype in (torch.bfloat16, torch.float16) or _interpreting())
+    GP = max(16, GS) if dot else GS
     bn = _block_n(D)
     S = _splits(B, Hkv, L, bn)
     chunk = triton.cdiv(triton.cdiv(L, S), bn) * bn
     out = torch.empty(B, Hkv * G * D, dtype=q.dtype, device=q.device)
     if S > 1:
-        m = torch.empty(B * Hkv * S * GP, dtype=torch.float32, device=q.device)
+        m = torch.empty(B * Hkv * S * GS, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
-        acc = torch.empty(B * Hkv * S * GP * D, dtype=torch.float32, device=q.device)
+        acc = torch.empty(B * Hkv * S * GS * D, dtype=torch.float32, device=q.device)
     else:
         m = l = acc = out
     sb_h = 0 if key_bias.shape[1] == 1 else key_bias.stride(1)
@@ -402,10 +424,10 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
         G=G, GP=GP, D=D, BLOCK_N=bn,
-        SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline,
-        num_warps=_warps(bn, D, GP), **stages)
+        SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
+        num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages)
     if S > 1 and not inline:
-        _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GP, D=D, SPLITS=S,
+        _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GS, D=D, SPLITS=S,
                                          num_warps=4)
     return out
 

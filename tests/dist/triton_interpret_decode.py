@@ -11,8 +11,9 @@ assert dt.available() and dt._interpreting()
 
 # kernels against their references: shapes with G = 1 (Bloom) and grouped queries
 gen = torch.Generator().manual_seed(0)
-for S, inline in ((1, False), (2, False), (4, False), (2, True), (4, True)):
-    dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE = S, inline
+for S, inline, dot in ((1, False, False), (2, False, False), (4, False, False), (2, True, False),
+                       (4, True, False), (1, False, True), (4, False, True), (2, True, True)):
+    dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = S, inline, dot
     for B, Hkv, G, D, L, Hb in [(2, 3, 1, 16, 200, 3), (2, 2, 4, 32, 130, 1)]:
         for p in (0, 63, 64, L - 2, L - 1):
             kv = torch.randn(B, Hkv, L, 2, D, generator=gen)
@@ -33,7 +34,7 @@ for S, inline in ((1, False), (2, False), (4, False), (2, True), (4, True)):
             torch.testing.assert_close(got, dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1), atol=1e-5, rtol=1e-5)
     if inline:   # the last arrival re-armed every counter
         assert all(int(c.abs().sum()) == 0 for c in dt._COUNTERS.values()), dt._COUNTERS
-dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE = None, False
+dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = None, False, False
 for rms in (False, True):
     y, r, w, b = torch.randn(4, 96, generator=gen), torch.randn(4, 96, generator=gen), \
         torch.randn(96, generator=gen), torch.randn(96, generator=gen)
@@ -98,7 +99,8 @@ for family, kwargs in CONFIGS.items():
     outs = {}
     for fused in (False, True):
         dt.FUSE_KV_WRITE = fused
-        dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE = (2, True) if fused else (None, False)
+        # the fused run also takes the split programs' inline combine and the tensor-core dots
+        dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = (2, True, True) if fused else (None, False, False)
         fg = decode.FastGenerator(model, max_prompt_len=12, max_new_tokens=10, attn_impl="triton",
                                   use_triton=True)
         steps = []
@@ -122,5 +124,5 @@ for family, kwargs in CONFIGS.items():
     print(family, "max logit diff fused vs not:", (a[fin] - b[fin]).abs().max().item())
     assert torch.equal(outs[True][0], want) and torch.equal(outs[False][0], want), family
     assert len(set(want[:, 12:].flatten().tolist())) > 3, "degenerate continuation"
-dt.FUSE_KV_WRITE, dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE = False, None, False
+dt.FUSE_KV_WRITE, dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = False, None, False, False
 print("OK")
