@@ -149,7 +149,7 @@ def main():
                 rows.append(dict(shape=name, pos=pos, variant=label, us=float("nan"), tb_s=0.0,
                                  err=float("nan"), error=f"{type(exc).__name__}: {str(exc)[:120]}"))
         dt.ATTN_SPLITS, dt.ATTN_BLOCK_N, dt.ATTN_WARPS, dt.ATTN_STAGES = None, None, None, None
-        dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = False, False
+        dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = False, None
         best = sorted((r for r in rows if r["shape"] == name and r["pos"] == pos and r["us"] == r["us"]),
                       key=lambda r: r["us"])[:8]
         print(f"{name} pos {pos}: " + "; ".join(f"{r['variant']} {r['us']:.2f}us" for r in best), flush=True)

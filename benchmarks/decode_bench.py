@@ -170,7 +170,7 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     # "fusedkv" / "nofusedkv": the Triton attention writes the step's K/V itself or not
     # (decode_triton.FUSE_KV_WRITE); "inline": no combine kernel; "tlin": Triton decode linears
     # (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
-    # "torchargmax": torch's argmax (default: decode_triton.argmax); "dot": decode_triton.ATTN_DOT
+    # "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": decode_triton.ATTN_DOT
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
@@ -195,8 +195,8 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr.DECODE_LINEAR = False
         if f == "torchargmax":
             dtr.TRITON_ARGMAX = False
-        if f == "dot":              # tensor-core dots in the Triton decode attention
-            dtr.ATTN_DOT = True
+        if f in ("dot", "nodot"):   # tensor-core dots in the Triton decode attention or not
+            dtr.ATTN_DOT = f == "dot"
     try:
         return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
     finally:

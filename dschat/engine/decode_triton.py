@@ -165,8 +165,11 @@ ATTN_INLINE_COMBINE = False
 ATTN_STAGES: "int | None" = None       # software-pipelining stages of the key loop; None: Triton's
 # Scores and the value sum as tensor-core dots (query rows padded to 16; bf16 q.K^T with fp32
 # accumulation, p.V in TF32) instead of the per-key GEMV reductions; bf16/fp16 caches only.
-# Checked in Triton's CPU interpreter; off until timed on a GPU (attn_bench.py "dot" rows).
-ATTN_DOT = False
+# None: on for head_dim >= 128, launched with 32-key blocks, 4 warps and splits for ~512
+# programs (H200, batch 16, RESULTS_decode.md run 5: one bloom-7b1 layer at 385 keys 31.4 vs
+# 35.1 us; decode step 4.99 vs 5.11 ms, llama-7b 5.50 vs 5.67; at head_dim 64 it was slower,
+# bloom-560m 1.29 vs 1.10 ms). Batch 1 and 64 at head_dim 128 with it: not timed.
+ATTN_DOT: "bool | None" = None
 # The attention kernel writes the step's K/V into the cache itself (one kernel less per
 # layer; the Bloom and OPT blocks, where the decode attention is the Triton one). H200,
 # bloom-560m bf16: 1.311 vs 1.382 ms/step at batch 16, 2.174 vs 2.210 at batch 64
@@ -336,13 +339,14 @@ if triton is not None:
         _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0), Hkv, G, GP, D, SPLITS)
 
 
-def _splits(B: int, Hkv: int, L: int, block_n: int) -> int:
-    """About 1024 programs (8 per SM of an H200), each with at least one key block: the
-    sweep's best at batch 16 and 64 for head_dim 64 (4 and 1 splits) and 128 (2)."""
+def _splits(B: int, Hkv: int, L: int, block_n: int, programs: int = 1024) -> int:
+    """About `programs` programs (1024: 8 per SM of an H200), each with at least one key
+    block: the sweep's best at batch 16 and 64 for head_dim 64 (4 and 1 splits) and 128 (2);
+    with the tensor-core dots 512 (1 split at bloom-7b1 batch 16)."""
     if ATTN_SPLITS is not None:
         return ATTN_SPLITS
     s = 1
-    while B * Hkv * s < 1024 and L // (2 * s) >= block_n and s < 16:
+    while B * Hkv * s < programs and L // (2 * s) >= block_n and s < 16:
         s *= 2
     return s
 
@@ -400,10 +404,11 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         return decode_attention_ref(q, kv, key_bias, pos, scale)
     GS = max(1, triton.next_power_of_2(G))
     # tensor-core dots pad the query rows to 16 (bf16/fp16 caches; fp32 keeps exact FMA math)
-    dot = bool(ATTN_DOT) and (kv.dtype in (torch.bfloat16, torch.float16) or _interpreting())
+    dot = (D >= 128 if ATTN_DOT is None else ATTN_DOT) and (
+        kv.dtype in (torch.bfloat16, torch.float16) or _interpreting())
     GP = max(16, GS) if dot else GS
-    bn = _block_n(D)
-    S = _splits(B, Hkv, L, bn)
+    bn = (ATTN_BLOCK_N or 32) if dot else _block_n(D)
+    S = _splits(B, Hkv, L, bn, 512 if dot else 1024)
     chunk = triton.cdiv(triton.cdiv(L, S), bn) * bn
     out = torch.empty(B, Hkv * G * D, dtype=q.dtype, device=q.device)
     if S > 1:

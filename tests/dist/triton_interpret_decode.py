@@ -34,7 +34,7 @@ for S, inline, dot in ((1, False, False), (2, False, False), (4, False, False), 
             torch.testing.assert_close(got, dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1), atol=1e-5, rtol=1e-5)
     if inline:   # the last arrival re-armed every counter
         assert all(int(c.abs().sum()) == 0 for c in dt._COUNTERS.values()), dt._COUNTERS
-dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = None, False, False
+dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = None, False, None
 for rms in (False, True):
     y, r, w, b = torch.randn(4, 96, generator=gen), torch.randn(4, 96, generator=gen), \
         torch.randn(96, generator=gen), torch.randn(96, generator=gen)
@@ -100,7 +100,7 @@ for family, kwargs in CONFIGS.items():
     for fused in (False, True):
         dt.FUSE_KV_WRITE = fused
         # the fused run also takes the split programs' inline combine and the tensor-core dots
-        dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = (2, True, True) if fused else (None, False, False)
+        dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = (2, True, True) if fused else (None, False, None)
         fg = decode.FastGenerator(model, max_prompt_len=12, max_new_tokens=10, attn_impl="triton",
                                   use_triton=True)
         steps = []
@@ -124,5 +124,5 @@ for family, kwargs in CONFIGS.items():
     print(family, "max logit diff fused vs not:", (a[fin] - b[fin]).abs().max().item())
     assert torch.equal(outs[True][0], want) and torch.equal(outs[False][0], want), family
     assert len(set(want[:, 12:].flatten().tolist())) > 3, "degenerate continuation"
-dt.FUSE_KV_WRITE, dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = False, None, False, False
+dt.FUSE_KV_WRITE, dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = False, None, False, None
 print("OK")
