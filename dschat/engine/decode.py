@@ -244,7 +244,8 @@ class _DecodeBlock:
         """Decode attention measured fastest among those whose seeded sampling reproduces
         through captured graphs (H200, bf16): the Triton kernel up to head_dim 128 (one
         layer at batch 16, keys 0..450: 9.8 us vs 25.2 baddbmm at head_dim 64, 38.2 vs
-        59.7 at 128, after the 2-warp launch sweep of 2026-11-29); baddbmm otherwise and
+        59.7 at 128, after the 2-warp launch sweep of 2026-11-29; from head_dim 128 its
+        tensor-core variant, decode_triton.ATTN_DOT); baddbmm otherwise and
         for numerics="hf" (HF's exact op order). cuDNN SDPA did not reproduce seeded
         sampling through graphs (RESULTS_decode.md)."""
         if numerics == "fast" and use_triton and head_dim <= 128:
