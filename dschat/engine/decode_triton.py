@@ -379,6 +379,11 @@ def _arrival_counters(n: int, device) -> "torch.Tensor | None":
     return _COUNTERS[key]
 
 
+def _tensor_core_tf32(device) -> bool:
+    """bf16 and TF32 tensor-core dots (compute capability 8.0+: A100, H100/H200, L40...)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def write_kv_ref(kv, new_kv, pos) -> None:
     """kv[:, :, pos] = new_kv ([B, Hkv, 2, D]; pos a 1-element device tensor)."""
     kv.index_copy_(2, pos, new_kv.unsqueeze(2))
@@ -404,8 +409,8 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         return decode_attention_ref(q, kv, key_bias, pos, scale)
     GS = max(1, triton.next_power_of_2(G))
     # tensor-core dots pad the query rows to 16 (bf16/fp16 caches; fp32 keeps exact FMA math)
-    dot = (D >= 128 if ATTN_DOT is None else ATTN_DOT) and (
-        kv.dtype in (torch.bfloat16, torch.float16) or _interpreting())
+    dot = (D >= 128 if ATTN_DOT is None else ATTN_DOT) and (_interpreting() or (
+        kv.dtype in (torch.bfloat16, torch.float16) and _tensor_core_tf32(kv.device)))
     GP = max(16, GS) if dot else GS
     bn = (ATTN_BLOCK_N or 32) if dot else _block_n(D)
     S = _splits(B, Hkv, L, bn, 512 if dot else 1024)
