@@ -145,6 +145,14 @@ def _launch_add_norm(y, r, w, b, eps: float, rms: bool, parts=None, lin_b=None):
     return x, h
 
 
+def _even_chunks(n: int, parts: int, block: int) -> tuple[int, int]:
+    """(chunk, count): n split into about `parts` chunks whole in `block`s; count may come
+    out lower than parts (never an empty chunk)."""
+    per_part = -(-n // parts)
+    chunk = -(-per_part // block) * block
+    return chunk, -(-n // chunk)
+
+
 def _interpreting() -> bool:
     import os
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -414,7 +422,7 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     GP = max(16, GS) if dot else GS
     bn = (ATTN_BLOCK_N or 32) if dot else _block_n(D)
     S = _splits(B, Hkv, L, bn, 512 if dot else 1024)
-    chunk = triton.cdiv(triton.cdiv(L, S), bn) * bn
+    chunk = _even_chunks(L, S, bn)[0]          # S programs per row even where some get no keys
     out = torch.empty(B, Hkv * G * D, dtype=q.dtype, device=q.device)
     if S > 1:
         m = torch.empty(B * Hkv * S * GS, dtype=torch.float32, device=q.device)
@@ -578,8 +586,7 @@ def _linear_parts(x, w, splits: int, bn: int, bk: int, warps: int = 4, stages=No
     """fp32 partials [splits, M, N] of x @ w.T over `splits` slices of K."""
     M, K = x.shape
     N = w.shape[0]
-    chunk = triton.cdiv(triton.cdiv(K, splits), bk) * bk
-    splits = triton.cdiv(K, chunk)
+    chunk, splits = _even_chunks(K, splits, bk)
     parts = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     _linear_part_kernel[(triton.cdiv(N, bn), splits)](
         x, w, parts, M, N, K, chunk, x.stride(0), w.stride(0),
@@ -646,16 +653,18 @@ def _graph_us(fn, n_calls: int) -> float:
     return best
 
 
-def _choose(key: tuple, cands: dict, run, w):
+def _choose(key: tuple, run, w):
     """The candidate config for this shape (None: cuBLAS): forced, cached, or timed now
-    (run(cfg, w) makes one call with weight w). While a graph is being captured nothing can
-    be timed: cuBLAS for this call, and the choice is made at the next uncaptured call."""
+    over `_linear_candidates` (run(cfg, w) makes one call with weight w). While a graph is
+    being captured nothing can be timed: cuBLAS for this call, and the choice is made at
+    the next uncaptured call."""
     if LINEAR_FORCE is not None:
         return LINEAR_FORCE.get(key[1])
     if key in _CHOICE:
         return _CHOICE[key][1]
     if w.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
+    cands = _linear_candidates(w.shape[1], parts=key[1] == "linear+norm")
     # distinct weight copies cycled through, > 128 MB together, so that L2 (50 MB on an
     # H200) holds none of them when it comes round again, as in a real step
     nbytes = w.numel() * w.element_size()
@@ -694,12 +703,11 @@ def tuned_linear(x, w, b=None, gelu: bool = False, epilogue: bool = False):
     if not _triton_ok(x, w):
         return cublas(w)
     M, K = x.shape
-    cands = _linear_candidates(K, parts=False)
 
     def run(cfg, w_):
         return cublas(w_) if cfg is None else _linear_triton(x, w_, b, gelu, *cfg)
     key = (str(x.device), "linear", M, w.shape[0], K, str(x.dtype), b is not None, gelu)
-    return run(_choose(key, cands, run, w), w)
+    return run(_choose(key, run, w), w)
 
 
 def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool):
@@ -709,14 +717,13 @@ def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool):
     if not _triton_ok(a, w) or nw is None:
         return add_norm(F.linear(a, w, b), r, nw, nb, eps, rms)
     M, K = a.shape
-    cands = _linear_candidates(K, parts=True)
 
     def run(cfg, w_):
         if cfg is None:
             return add_norm(F.linear(a, w_, b), r, nw, nb, eps, rms)
         return _launch_add_norm(None, r, nw, nb, eps, rms, parts=_linear_parts(a, w_, *cfg), lin_b=b)
     key = (str(a.device), "linear+norm", M, w.shape[0], K, str(a.dtype), b is not None, bool(rms))
-    return run(_choose(key, cands, run, w), w)
+    return run(_choose(key, run, w), w)
 
 
 # ---------------------------------------------------------------------------- argmax
@@ -783,8 +790,7 @@ def argmax(x):
     rows, V = x.shape
     block = 1024
     splits = max(1, min(triton.cdiv(1024, rows), triton.cdiv(V, 4 * block)))
-    chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
-    splits = triton.cdiv(V, chunk)
+    chunk, splits = _even_chunks(V, splits, block)
     vals = torch.empty(rows, splits, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, splits, dtype=torch.int32, device=x.device)
     out = torch.empty(rows, dtype=torch.long, device=x.device)
