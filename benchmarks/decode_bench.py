@@ -170,12 +170,13 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     # "fusedkv" / "nofusedkv": the Triton attention writes the step's K/V itself or not
     # (decode_triton.FUSE_KV_WRITE); "inline": no combine kernel; "tlin": Triton decode linears
     # (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
-    # "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": decode_triton.ATTN_DOT
+    # "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": decode_triton.ATTN_DOT;
+    # "pdl0" / "pdl1" / "pdl2": decode_triton.PDL (programmatic dependent launch)
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
     saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-             dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT)
+             dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL)
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -197,11 +198,13 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr.TRITON_ARGMAX = False
         if f in ("dot", "nodot"):   # tensor-core dots in the Triton decode attention or not
             dtr.ATTN_DOT = f == "dot"
+        if f in ("pdl0", "pdl1", "pdl2"):
+            dtr.PDL = int(f[3])
     try:
         return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
     finally:
         (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-         dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT) = saved
+         dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL) = saved
 
 
 def _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample):
@@ -308,7 +311,7 @@ def run_case(preset, dtype, B, P, T, args, numerics_list, agree, sample=False, s
             if agree:
                 row.update(agreement(hf, fr, P))
             # the per-shape decode linears "auto" picked so far in this process
-            row["linear_choices"] = {" ".join(map(str, k[1:6])): str(v)
+            row["linear_choices"] = {" ".join(map(str, k[1:6])) + f" pdl{k[-1]}": str(v)
                                      for k, (v, _) in decode.decode_triton._CHOICE.items()}
         except Exception as exc:                       # keep the other cases going
             traceback.print_exc()
@@ -355,7 +358,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--plan", default="full",
-                    help="full | quick | tune | kvfuse | candidates | smoke | comma list of preset:dtype:batch")
+                    help="full | quick | tune | kvfuse | candidates | pdl | smoke | comma list of preset:dtype:batch")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--numerics", default="fast,hf")
@@ -405,6 +408,13 @@ def main():
                 ("bloom-7b1", bf16, 16, ab, True, False, None),
                 ("opt-1.3b", bf16, 16, ab, True, False, None),
                 ("llama-7b", bf16, 16, ab, True, False, None)]
+    elif args.plan == "pdl":      # programmatic dependent launch off / on / with weight prefetch
+        ab = ["fast:pdl0", "fast:pdl1", "fast:pdl2"]
+        plan = [("bloom-7b1", bf16, 16, ab + ["fast:pdl0", "fast:pdl2"], True, False, None),
+                ("bloom-560m", bf16, 16, ab, True, True, None),
+                ("llama-7b", bf16, 16, ab, True, False, None),
+                ("bloom-560m", bf16, 1, ab, False, False, None),
+                ("bloom-560m", bf16, 64, ab, False, False, None)]
     elif args.plan == "quick":
         plan = [("bloom-560m", bf16, 16, nums, True, True, None)]
     else:

@@ -4,6 +4,7 @@ Weights are drawn with a large init std so that greedy continuations vary from t
 token (with HF's default 0.02 these tiny models repeat one token, which proves little).
 """
 import importlib.util
+import itertools
 import subprocess
 import sys
 
@@ -231,7 +232,10 @@ def test_supported_configs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_matches_eager_and_hf():
+@pytest.mark.parametrize("pdl", [None, 0, 2])
+def test_cuda_graph_matches_eager_and_hf(pdl, monkeypatch):
+    from dschat.engine import decode_triton as dt
+    monkeypatch.setattr(dt, "PDL", pdl)          # programmatic dependent launch modes
     torch.manual_seed(0)
     model = _bloom().cuda().eval()
     ids, mask = (t.cuda() for t in prompts())
@@ -285,8 +289,9 @@ def test_triton_kernels_match_reference():
                 assert torch.equal(kv_fused, kv_ref)
                 torch.testing.assert_close(got.float(), dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1).float(),
                                            atol=tol, rtol=tol)
-        # decode linears: every Triton candidate, and "auto"'s timed choice, against F.linear
-        for M, N, K in [(16, 1024, 4096), (1, 3072, 1024)]:
+        # decode linears: every Triton candidate, and "auto"'s timed choice, against F.linear,
+        # in each programmatic-dependent-launch mode
+        for (M, N, K), dt.PDL in itertools.product([(16, 1024, 4096), (1, 3072, 1024)], (None, 0, 2)):
             x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
             w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
             b, r, nw, nb = (torch.randn(n, device="cuda", generator=g).to(dtype) for n in (N, M * N, N, N))
@@ -302,6 +307,7 @@ def test_triton_kernels_match_reference():
                 torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
             dt.LINEAR_FORCE = None
             torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
+        dt.PDL = None
         # argmax: torch's index exactly, ties included
         x = torch.randint(0, 50, (16, 250880), device="cuda", generator=g).to(dtype)
         assert torch.equal(dt.argmax(x), x.argmax(-1))

@@ -25,10 +25,58 @@ try:                                   # pragma: no cover - exercised on GPU mac
     from triton.language.extra import libdevice
 except Exception:                      # no Triton here: callers use the references
     triton = None
+try:                                   # pragma: no cover - grid dependency control (Triton >= 3.3)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = True
+except Exception:
+    _HAS_GDC = False
 
 
 def available() -> bool:
     return triton is not None
+
+
+# ---------------------------------------------------------------------------- launch overlap
+
+# Programmatic dependent launch (Hopper and later; Triton's launch_pdl): each decode kernel
+# may be launched while the kernel before it is still finishing, and waits (griddepcontrol
+# .wait) before it reads or writes anything another kernel of the step touches. What it
+# saves is the gap between two dependent kernels (launch, ramp-up, the previous kernel's
+# tail), a few microseconds each, 8 kernels per layer. Kernels launched without it (cuBLAS,
+# PyTorch's) order as usual; a PDL kernel's wait covers every kernel before it, because each
+# of them waited for its own predecessor before it let its dependents launch.
+# 0: off; 1: wait first thing; 2: as 1, but the linear kernels read their first weight tile
+# before waiting (weights are never written inside a decode step: the replica is refilled
+# between rollouts, outside any graph). None: 1 on compute capability 9+, else 0.
+PDL: "int | None" = None
+
+
+def _pdl_mode(device) -> int:
+    if not _HAS_GDC or device.type != "cuda" or _interpreting():
+        return 0
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return 0
+    return 1 if PDL is None else int(PDL)
+
+
+def _pdl_launch(mode: int) -> dict:
+    return {"launch_pdl": True} if mode else {}
+
+
+if triton is not None:
+
+    if _HAS_GDC:
+        @triton.jit
+        def _pdl_enter(PDL: tl.constexpr):
+            """Wait for the previous kernel (all of it, memory included), then let the next
+            one launch."""
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
+    else:
+        @triton.jit
+        def _pdl_enter(PDL: tl.constexpr):
+            pass
 
 
 def add_norm_ref(y, r, w, b, eps: float, rms: bool):
@@ -85,7 +133,8 @@ if triton is not None:
     def _add_norm_kernel(y_ptr, r_ptr, x_ptr, h_ptr, w_ptr, b_ptr, lb_ptr, N, eps,
                          sy, sr, sx, sh, n_parts, s_part,
                          BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_B: tl.constexpr,
-                         PARTS: tl.constexpr, HAS_LB: tl.constexpr):
+                         PARTS: tl.constexpr, HAS_LB: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -134,14 +183,15 @@ def _launch_add_norm(y, r, w, b, eps: float, rms: bool, parts=None, lin_b=None):
     h = torch.empty_like(r)
     block = triton.next_power_of_2(N)
     src = parts if parts is not None else y
+    pdl = _pdl_mode(r.device)
     _add_norm_kernel[(rows,)](src, r, x, h, w, b if b is not None else w,
                               lin_b if lin_b is not None else w, N, float(eps),
                               src.stride(-2), r.stride(0), x.stride(0), h.stride(0),
                               parts.shape[0] if parts is not None else 0,
                               parts.stride(0) if parts is not None else 0,
                               BLOCK=block, RMS=bool(rms), HAS_B=b is not None,
-                              PARTS=parts is not None, HAS_LB=lin_b is not None,
-                              num_warps=4 if block <= 2048 else 8)
+                              PARTS=parts is not None, HAS_LB=lin_b is not None, PDL=pdl,
+                              num_warps=4 if block <= 2048 else 8, **_pdl_launch(pdl))
     return x, h
 
 
@@ -267,7 +317,8 @@ if triton is not None:
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
                            FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr, DOT: tl.constexpr,
-                           GS: tl.constexpr):
+                           GS: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
@@ -343,7 +394,8 @@ if triton is not None:
     @triton.jit
     def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, Hkv,
                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                             SPLITS: tl.constexpr):
+                             SPLITS: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0), Hkv, G, GP, D, SPLITS)
 
 
@@ -435,6 +487,7 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     new = new_kv if fused else q
     stages = {"num_stages": ATTN_STAGES} if ATTN_STAGES else {}
     count = _arrival_counters(B * Hkv, q.device) if ATTN_INLINE_COMBINE and S > 1 else None
+    pdl = _pdl_mode(q.device)
     inline = count is not None
     count = count if inline else m
     _attn_split_kernel[(B * Hkv, S)](
@@ -443,10 +496,11 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
         G=G, GP=GP, D=D, BLOCK_N=bn,
         SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
-        num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages)
+        PDL=pdl, num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages,
+        **_pdl_launch(pdl))
     if S > 1 and not inline:
-        _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GS, D=D, SPLITS=S,
-                                         num_warps=4)
+        _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GS, D=D, SPLITS=S, PDL=pdl,
+                                         num_warps=4, **_pdl_launch(pdl))
     return out
 
 
@@ -487,10 +541,20 @@ def linear_ref(x, w, b=None, gelu: bool = False):
 if triton is not None:
 
     @triton.jit
+    def _load_w(w_ptr, offs_n, k, n_ok, k_ok, sw):
+        """The [BLOCK_K, BLOCK_N] tile w[offs_n, k].T."""
+        return tl.load(w_ptr + offs_n[None, :] * sw + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+
+    @triton.jit
     def _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k_ok, sx, sw,
                    LIBDEVICE: tl.constexpr, IEEE: tl.constexpr):
+        return _dot_w(acc, x_ptr, _load_w(w_ptr, offs_n, k, n_ok, k_ok, sw), offs_m, k, m_ok, k_ok, sx,
+                      LIBDEVICE, IEEE)
+
+    @triton.jit
+    def _dot_w(acc, x_ptr, w, offs_m, k, m_ok, k_ok, sx, LIBDEVICE: tl.constexpr, IEEE: tl.constexpr):
+        """acc + x[offs_m, k] @ w (w: a tile from _load_w)."""
         x = tl.load(x_ptr + offs_m[:, None] * sx + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_n[None, :] * sw + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if not LIBDEVICE:             # Triton's CPU interpreter gets bf16 dots wrong (3.9)
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -502,14 +566,22 @@ if triton is not None:
     def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        HAS_B: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       IEEE: tl.constexpr, PDL: tl.constexpr):
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
         n_ok = offs_n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_first = 0
+        if PDL == 2:                  # the first weight tile is read while the previous kernel ends
+            w0 = _load_w(w_ptr, offs_n, offs_k, n_ok, offs_k < K, sw)
+            _pdl_enter(PDL)
+            acc = _dot_w(acc, x_ptr, w0, offs_m, offs_k, m_ok, offs_k < K, sx, LIBDEVICE, IEEE)
+            k_first = BLOCK_K
+        else:
+            _pdl_enter(PDL)
+        for k0 in range(k_first, K, BLOCK_K):
             k = k0 + offs_k
             acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < K, sx, sw,
                              LIBDEVICE, IEEE)
@@ -528,7 +600,8 @@ if triton is not None:
     @triton.jit
     def _linear_part_kernel(x_ptr, w_ptr, p_ptr, M, N, K, chunk, sx, sw,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            LIBDEVICE: tl.constexpr, IEEE: tl.constexpr, WHILE: tl.constexpr):
+                            LIBDEVICE: tl.constexpr, IEEE: tl.constexpr, WHILE: tl.constexpr,
+                            PDL: tl.constexpr):
         """Split s of K (program axis 1): fp32 partial x[:, ks] @ w[ns, ks].T -> p[s]."""
         s = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -539,6 +612,14 @@ if triton is not None:
         start = s * chunk
         end = tl.minimum(start + chunk, K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if PDL == 2:                  # the first weight tile is read while the previous kernel ends
+            k = start + offs_k
+            w0 = _load_w(w_ptr, offs_n, k, n_ok, k < end, sw)
+            _pdl_enter(PDL)
+            acc = _dot_w(acc, x_ptr, w0, offs_m, k, m_ok, k < end, sx, LIBDEVICE, IEEE)
+            start += BLOCK_K
+        else:
+            _pdl_enter(PDL)
         if WHILE:                     # Triton's CPU interpreter path
             k0 = start
             while k0 < end:
@@ -573,12 +654,13 @@ def _linear_triton(x, w, b, gelu: bool, bn: int, bk: int, warps: int = 4, stages
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    pdl = _pdl_mode(x.device)
     _linear_kernel[(triton.cdiv(N, bn),)](
         x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
         HAS_B=b is not None, GELU=bool(gelu), LIBDEVICE=not _interpreting(),
-        IEEE=x.dtype == torch.float32, num_warps=warps,
-        **({"num_stages": stages} if stages else {}))
+        IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=warps,
+        **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
     return y
 
 
@@ -588,11 +670,12 @@ def _linear_parts(x, w, splits: int, bn: int, bk: int, warps: int = 4, stages=No
     N = w.shape[0]
     chunk, splits = _even_chunks(K, splits, bk)
     parts = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    pdl = _pdl_mode(x.device)
     _linear_part_kernel[(triton.cdiv(N, bn), splits)](
         x, w, parts, M, N, K, chunk, x.stride(0), w.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
         LIBDEVICE=not _interpreting(), IEEE=x.dtype == torch.float32, WHILE=_interpreting(),
-        num_warps=warps, **({"num_stages": stages} if stages else {}))
+        PDL=pdl, num_warps=warps, **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
     return parts
 
 
@@ -706,7 +789,8 @@ def tuned_linear(x, w, b=None, gelu: bool = False, epilogue: bool = False):
 
     def run(cfg, w_):
         return cublas(w_) if cfg is None else _linear_triton(x, w_, b, gelu, *cfg)
-    key = (str(x.device), "linear", M, w.shape[0], K, str(x.dtype), b is not None, gelu)
+    key = (str(x.device), "linear", M, w.shape[0], K, str(x.dtype), b is not None, gelu,
+           _pdl_mode(x.device))
     return run(_choose(key, run, w), w)
 
 
@@ -722,7 +806,8 @@ def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool):
         if cfg is None:
             return add_norm(F.linear(a, w_, b), r, nw, nb, eps, rms)
         return _launch_add_norm(None, r, nw, nb, eps, rms, parts=_linear_parts(a, w_, *cfg), lin_b=b)
-    key = (str(a.device), "linear+norm", M, w.shape[0], K, str(a.dtype), b is not None, bool(rms))
+    key = (str(a.device), "linear+norm", M, w.shape[0], K, str(a.dtype), b is not None, bool(rms),
+           _pdl_mode(a.device))
     return run(_choose(key, run, w), w)
 
 
@@ -739,8 +824,9 @@ if triton is not None:
 
     @triton.jit
     def _argmax_part_kernel(x_ptr, v_ptr, i_ptr, V, sx, chunk, S,
-                            BLOCK: tl.constexpr, WHILE: tl.constexpr):
+                            BLOCK: tl.constexpr, WHILE: tl.constexpr, PDL: tl.constexpr):
         """Largest value and its first index in slice s (axis 1) of row (axis 0)."""
+        _pdl_enter(PDL)
         row = tl.program_id(0)
         s = tl.program_id(1)
         start = s * chunk
@@ -769,7 +855,8 @@ if triton is not None:
         return tl.where(take, m, best_v), tl.where(take, i, best_i)
 
     @triton.jit
-    def _argmax_combine_kernel(v_ptr, i_ptr, out_ptr, S, SP: tl.constexpr):
+    def _argmax_combine_kernel(v_ptr, i_ptr, out_ptr, S, SP: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, SP)
         ok = offs < S
@@ -794,8 +881,10 @@ def argmax(x):
     vals = torch.empty(rows, splits, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, splits, dtype=torch.int32, device=x.device)
     out = torch.empty(rows, dtype=torch.long, device=x.device)
+    pdl = _pdl_mode(x.device)
     _argmax_part_kernel[(rows, splits)](x, vals, idx, V, x.stride(0), chunk, splits, BLOCK=block,
-                                        WHILE=_interpreting(), num_warps=4)
+                                        WHILE=_interpreting(), PDL=pdl, num_warps=4,
+                                        **_pdl_launch(pdl))
     _argmax_combine_kernel[(rows,)](vals, idx, out, splits, SP=max(2, triton.next_power_of_2(splits)),
-                                    num_warps=1)
+                                    PDL=pdl, num_warps=1, **_pdl_launch(pdl))
     return out

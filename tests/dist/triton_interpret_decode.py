@@ -5,6 +5,8 @@ linear, then FastGenerator with the Triton attention (and, for Bloom, the Triton
 against HF generate (fp32 tokens); the split-K linear summed by the add+norm kernel and
 the two-kernel argmax."""
 import torch
+import triton
+import triton.language as tl
 from transformers import AutoConfig, AutoModelForCausalLM
 from dschat.engine import decode, decode_triton as dt
 assert dt.available() and dt._interpreting()
@@ -41,29 +43,48 @@ for rms in (False, True):
     for a, e in zip(dt.add_norm(y, r, w, None if rms else b, 1e-5, rms),
                     dt.add_norm_ref(y, r, w, None if rms else b, 1e-5, rms)):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
-for M, N, K in [(3, 40, 70), (16, 96, 256), (1, 17, 33)]:        # the decode linear
-    for gelu, bias in ((False, False), (False, True), (True, True)):
-        x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen) / K ** 0.5
-        b = torch.randn(N, generator=gen) if bias else None
-        for bn in (16, 32):
-            dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K = bn, 32
-            torch.testing.assert_close(dt.linear(x, w, b, gelu), dt.linear_ref(x, w, b, gelu),
-                                       atol=1e-4, rtol=1e-4)
-dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K = None, 128
-# split-K partials summed by the add+norm kernel (+ the linear's bias) == add_norm(F.linear)
-for M, N, K in [(3, 40, 70), (16, 96, 256)]:
-    for splits, bn, bk, *ws in ((1, 16, 32), (2, 32, 32), (3, 16, 16), (8, 16, 32, 8, 4)):
-        for rms, bias in ((False, True), (True, False)):
+
+
+def check_linears():
+    for M, N, K in [(3, 40, 70), (16, 96, 256), (1, 17, 33)]:        # the decode linear
+        for gelu, bias in ((False, False), (False, True), (True, True)):
             x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen) / K ** 0.5
             b = torch.randn(N, generator=gen) if bias else None
-            r, nw, nb = torch.randn(M, N, generator=gen), torch.randn(N, generator=gen), \
-                None if rms else torch.randn(N, generator=gen)
-            want = dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, rms)
-            dt.LINEAR_FORCE = {"linear+norm": (splits, bn, bk, *ws), "linear": (bn, bk, *ws)}
-            for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, rms), want):
-                torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(dt.tuned_linear(x, w, b), dt.linear_ref(x, w, b), atol=1e-4, rtol=1e-4)
-dt.LINEAR_FORCE = None
+            for bn in (16, 32):
+                dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K = bn, 32
+                torch.testing.assert_close(dt.linear(x, w, b, gelu), dt.linear_ref(x, w, b, gelu),
+                                           atol=1e-4, rtol=1e-4)
+    dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K = None, 128
+    # split-K partials summed by the add+norm kernel (+ the linear's bias) == add_norm(F.linear)
+    for M, N, K in [(3, 40, 70), (16, 96, 256)]:
+        for splits, bn, bk, *ws in ((1, 16, 32), (2, 32, 32), (3, 16, 16), (8, 16, 32, 8, 4)):
+            for rms, bias in ((False, True), (True, False)):
+                x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen) / K ** 0.5
+                b = torch.randn(N, generator=gen) if bias else None
+                r, nw, nb = torch.randn(M, N, generator=gen), torch.randn(N, generator=gen), \
+                    None if rms else torch.randn(N, generator=gen)
+                want = dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, rms)
+                dt.LINEAR_FORCE = {"linear+norm": (splits, bn, bk, *ws), "linear": (bn, bk, *ws)}
+                for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, rms), want):
+                    torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(dt.tuned_linear(x, w, b), dt.linear_ref(x, w, b),
+                                           atol=1e-4, rtol=1e-4)
+    dt.LINEAR_FORCE = None
+
+
+@triton.jit
+def _no_wait(PDL: tl.constexpr):
+    pass
+
+
+check_linears()
+# again in the programmatic-dependent-launch layout (dt.PDL = 2: the linears read their first
+# weight tile before the grid-dependency wait); the interpreter has no grid dependency
+# control, so the wait is a no-op here and the kernels' arithmetic is what is checked
+real = dt._pdl_enter, dt._pdl_mode, dt._pdl_launch
+dt._pdl_enter, dt._pdl_mode, dt._pdl_launch = _no_wait, (lambda device: 2), (lambda mode: {})
+check_linears()
+dt._pdl_enter, dt._pdl_mode, dt._pdl_launch = real
 # argmax: the first of tied maxima (ties within and across slices), all -inf rows, bf16
 x = torch.randint(0, 7, (5, 9000), generator=gen).float()
 x[1] = float("-inf")
