@@ -109,11 +109,12 @@ def main():
         for stages in (1, 2, 4):
             variants.append((f"triton rule st{stages}", dict(impl="triton", splits=None, bn=None, warps=None,
                                                              stages=stages, fused=True)))
-        for splits, bn, warps in itertools.product((None, 1, 2, 4), (32, 64, 128), (4, 8)):
-            if bn * D > 16384:
+        for splits, bn, warps, stages in itertools.product((None, 1, 2, 4), (16, 32, 64, 128), (2, 4, 8),
+                                                           (None, 2, 4, 5)):
+            if bn * D > 16384 or (stages and (splits, warps) not in ((None, 4), (2, 4), (None, 8))):
                 continue
-            variants.append((f"triton dot s{splits or 'rule'} bn{bn} w{warps}",
-                             dict(impl="triton", splits=splits, bn=bn, warps=warps, stages=None, fused=True,
+            variants.append((f"triton dot s{splits or 'rule'} bn{bn} w{warps} st{stages or '-'}",
+                             dict(impl="triton", splits=splits, bn=bn, warps=warps, stages=stages, fused=True,
                                   dot=True)))
         variants.append(("triton rule, K/V written apart", dict(impl="triton", splits=None, bn=None, warps=None,
                                                                 stages=None, fused=False)))

@@ -39,7 +39,14 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 1, 64])
     ap.add_argument("--smoke", action="store_true", help="Tiny shapes on CPU (TRITON_INTERPRET=1).")
+    ap.add_argument("--shapes", nargs="+", default=None, help=f"Subset of {list(SHAPES)}.")
+    ap.add_argument("--wide", action="store_true",
+                    help="A wider grid (BLOCK_K up to 512, 4 or 8 warps, 3-6 stages; split-K + add+norm for the "
+                         "projections a norm follows), timed as decode_triton's per-shape choice times "
+                         "(over weight copies larger than L2).")
     args = ap.parse_args()
+    if args.wide:
+        return wide(args)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
     shapes = {"tiny": (96, 64, True)} if args.smoke else SHAPES
@@ -82,6 +89,52 @@ def main():
         print(f"{name} M{M}: cublas {base['us']:.2f}us ({base['tb_s']:.2f} TB/s); "
               + "; ".join(f"{r['variant']} {r['us']:.2f}us" for r in best), flush=True)
     write_sweep(args.out, "linear", "decode linears", "rows", "weight TB/s", "max abs diff to cuBLAS", rows)
+
+def wide(args):
+    """The decode_triton "auto" candidates and a wider grid around them, at 16 rows."""
+    dev, dtype, M = torch.device("cuda"), torch.bfloat16, 16
+    rows = []
+    for name, (N, K, gelu) in SHAPES.items():
+        if args.shapes and name not in args.shapes:
+            continue
+        torch.manual_seed(0)
+        x = torch.randn(M, K, device=dev, dtype=dtype)
+        w = (torch.randn(N, K, device=dev) / K ** 0.5).to(dtype)
+        b = None if "head" in name else (torch.randn(N, device=dev) * 0.1).to(dtype)
+        norm = name.endswith(("dense", "fc2"))          # a residual add + LayerNorm follows
+        r, nw, nb = (torch.randn(*s, device=dev, dtype=dtype) for s in ((M, N), (N,), (N,)))
+        nbytes = N * K * 2
+        copies = [w] + [w.clone() for _ in range(min(16, -(-(128 << 20) // nbytes)) - 1)]
+        n_calls = max(len(copies), 4 if nbytes > (64 << 20) else 16)
+        if norm:
+            def run(cfg, w_):
+                if cfg is None:
+                    return dt.add_norm(torch.nn.functional.linear(x, w_, b), r, nw, nb, 1e-5, False)
+                return dt._launch_add_norm(None, r, nw, nb, 1e-5, False, parts=dt._linear_parts(x, w_, *cfg),
+                                           lin_b=b)
+            grid = [(sp, bn, bk, wa, st) for sp, bn, bk, wa, st in itertools.product(
+                (1, 2, 4, 8), (16, 32, 64), (128, 256, 512), (4, 8), (None, 4)) if bn * bk <= 16384]
+        else:
+            def run(cfg, w_):
+                if cfg is None:
+                    return cublas(x, w_, b, gelu)
+                return dt._linear_triton(x, w_, b, gelu, *cfg)
+            grid = [(bn, bk, wa, st) for bn, bk, wa, st in itertools.product(
+                (16, 32, 64), (128, 256, 512), (4, 8), (None, 3, 4, 6)) if bn * bk <= 16384]
+        for cfg in [None] + grid:
+            try:
+                us = dt._graph_us(lambda i: run(cfg, copies[i % len(copies)]), n_calls)
+            except Exception as exc:
+                us = float("nan")
+            rows.append(dict(shape=name + (" +norm" if norm else ""), rows=M, variant=str(cfg or "cublas"),
+                             us=us, tb_s=nbytes / us / 1e6 if us == us else 0.0, err=0.0))
+        mine = sorted((r for r in rows if r["shape"].startswith(name) and r["us"] == r["us"]), key=lambda r: r["us"])
+        base = next(r for r in mine if r["variant"] == "cublas")
+        print(f"{name}: cublas {base['us']:.2f}us; best " + "; ".join(f"{r['variant']} {r['us']:.2f}us"
+                                                                      for r in mine[:6]), flush=True)
+    write_sweep(args.out, "linear_wide", "decode linears (wide grid, PDL mode %d)" % dt._pdl_mode(dev),
+                "rows", "weight TB/s", "-", rows)
+
 
 if __name__ == "__main__":
     main()
