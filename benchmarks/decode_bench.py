@@ -398,9 +398,9 @@ def main():
         plan = [("bloom-560m", bf16, 16, variants, True, True, None),
                 ("bloom-560m", bf16, 64, ["fast:triton", "fast:triton:fusedkv"], True, False, None),
                 ("bloom-7b1", bf16, 16, ["fast", "fast:triton", "fast:triton:fusedkv"], True, False, None)]
-    elif args.plan == "candidates":   # the table, default vs cuBLAS linears / torch's argmax
-        ab = ["fast", "fast:cublas"]
-        plan = [("bloom-560m", bf16, 16, ab + ["fast:torchargmax", "fast:cublas:torchargmax"], True, True, None),
+    elif args.plan == "candidates":   # the table, default vs no programmatic dependent launch
+        ab = ["fast", "fast:pdl0"]
+        plan = [("bloom-560m", bf16, 16, ab + ["fast:cublas", "fast:torchargmax"], True, True, None),
                 ("bloom-560m", fp32, 16, ab, True, False, None),
                 ("bloom-560m", bf16, 1, ab, False, False, None),
                 ("bloom-560m", bf16, 64, ab, True, False, None),
