@@ -8,7 +8,11 @@ reference (`*_ref`) with the same rounding points, used on CPU and in tests. Ker
 - `add_norm`: residual add fused with the next LayerNorm / RMSNorm, returning both the
   new residual stream and the normalised activations (one kernel instead of two or
   three per norm in the decode step, where each kernel is a few microseconds of launch
-  latency and the tensors are tiny).
+  latency and the tensors are tiny);
+- `decode_attention` (flash-decoding, optionally writing the step's K/V), the decode
+  linears (`tuned_linear`, `linear_add_norm`: per-shape choice against cuBLAS) and `argmax`.
+
+On Hopper and later every kernel here is launched with programmatic dependent launch (`PDL`).
 """
 from __future__ import annotations
 
