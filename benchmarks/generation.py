@@ -189,6 +189,8 @@ def main(argv=None):
                                                                  pad_token_id=0), device)
                     actor.pop_stats()
                     actor.mark_weights_updated()  # as after an optimizer step: refill in place
+                    if world_size() > 1:          # ranks level, as after a step's gradient all-reduce, so
+                        torch.distributed.barrier()   # the fill's all-gathers do not time a rank's lag
                     out, secs, peak = timed(lambda: actor.generate(ids, mask, max_new_tokens=args.new_tokens,
                                                                    min_new_tokens=args.new_tokens, eos_token_id=1,
                                                                    pad_token_id=0), device)
