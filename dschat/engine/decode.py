@@ -425,16 +425,12 @@ class _BloomBlock(_DecodeBlock):
 
         def attend(li, h):
             qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
-            side = decode_triton.l2_prefetch_begin(self.layers[li]["dense"][0])
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
-                out = decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
-                                                     new_kv=qkv[:, :, 1:3])
-            else:
-                kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
-                out = _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl,
-                                     pos)
-            decode_triton.l2_prefetch_end(side)
-            return out
+                return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
+                                                      new_kv=qkv[:, :, 1:3])
+            kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
+            return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl,
+                                  pos)
         h = self._body(self._ln(F.embedding(tok, self.embed), self.emb_ln), attend,
                        exact=self.numerics == "hf")
         return self.lin(h, self.head)

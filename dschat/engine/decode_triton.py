@@ -815,49 +815,6 @@ def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool):
     return run(_choose(key, run, w), w)
 
 
-# ---------------------------------------------------------------------------- L2 prefetch
-
-# Experimental (off): while a layer's decode attention streams its K/V cache, a kernel on a
-# side stream asks L2 to hold the attention-output projection's weight next (PTX
-# prefetch.global.L2::evict_last, one per 128-byte line; no data moves through the SMs), so
-# that the projection after it reads from L2 rather than HBM. Bloom's decode block only;
-# benchmarks/decode_bench.py variant "l2pf".
-L2_PREFETCH = False
-_SIDE_STREAMS: dict = {}
-
-if triton is not None:
-
-    @triton.jit
-    def _l2_prefetch_kernel(ptr, n_lines, LINES: tl.constexpr):
-        offs = tl.program_id(0) * LINES + tl.arange(0, LINES)
-        offs = tl.minimum(offs, n_lines - 1).to(tl.int64)
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [ptr + offs * 128], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def l2_prefetch_begin(w):
-    """Start the prefetch of w into L2 on a side stream (after what the current stream has
-    queued); returns the stream to hand to `l2_prefetch_end`, or None where not applicable."""
-    if not L2_PREFETCH or triton is None or w.device.type != "cuda" or not w.is_contiguous():
-        return None
-    key = str(w.device)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(w.device)
-    side = _SIDE_STREAMS[key]
-    side.wait_stream(torch.cuda.current_stream())
-    n_lines = -(-(w.numel() * w.element_size()) // 128)
-    with torch.cuda.stream(side):
-        _l2_prefetch_kernel[(triton.cdiv(n_lines, 2048),)](w.view(-1).view(torch.uint8), n_lines,
-                                                             LINES=2048, num_warps=4)
-    return side
-
-
-def l2_prefetch_end(side) -> None:
-    """Join the side stream (a captured graph must end with every fork joined)."""
-    if side is not None:
-        torch.cuda.current_stream().wait_stream(side)
-
-
 # ---------------------------------------------------------------------------- argmax
 
 TRITON_ARGMAX = True                  # False: torch's argmax in the decode step (A/B switch)
