@@ -322,3 +322,16 @@ def test_triton_kernels_in_the_cpu_interpreter():
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "triton_interpret_decode.py")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_programmatic_dependent_launch_only_on_hopper_cuda(monkeypatch):
+    """PDL is a launch attribute of CUDA compute capability 9+: never requested on the CPU
+    or in Triton's interpreter, whatever decode_triton.PDL says."""
+    from dschat.engine import decode_triton as dt
+    for mode in (None, 1, 2):
+        monkeypatch.setattr(dt, "PDL", mode)
+        assert dt._pdl_mode(torch.device("cpu")) == 0
+        assert dt._pdl_launch(dt._pdl_mode(torch.device("cpu"))) == {}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dt._interpreting() and dt._pdl_mode(torch.device("cuda")) == 0
+    assert dt._pdl_launch(2) == {"launch_pdl": True}
