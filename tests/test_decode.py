@@ -335,3 +335,7 @@ def test_programmatic_dependent_launch_only_on_hopper_cuda(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert dt._interpreting() and dt._pdl_mode(torch.device("cuda")) == 0
     assert dt._pdl_launch(2) == {"launch_pdl": True}
+    monkeypatch.setattr(torch.version, "cuda", "12.1")
+    assert not dt._cuda_at_least(12, 3)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert dt._cuda_at_least(12, 3)

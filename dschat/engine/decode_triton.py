@@ -55,10 +55,19 @@ def available() -> bool:
 PDL: "int | None" = None
 
 
+def _cuda_at_least(major: int, minor: int) -> bool:
+    try:
+        have = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    except ValueError:
+        return False
+    return have >= (major, minor)
+
+
 def _pdl_mode(device) -> int:
     if not _HAS_GDC or device.type != "cuda" or _interpreting():
         return 0
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    # programmatic edges inside captured CUDA graphs need CUDA 12.3+
+    if torch.cuda.get_device_capability(device)[0] < 9 or not _cuda_at_least(12, 3):
         return 0
     return 1 if PDL is None else int(PDL)
 
