@@ -749,6 +749,15 @@ def _graph_us(fn, n_calls: int) -> float:
     return best
 
 
+def _weight_copies(w) -> tuple[list, int]:
+    """(copies, n_calls) to time a linear on: distinct copies of w cycled through, > 128 MB
+    together, so that L2 (50 MB on an H200) holds none of them when it comes round again,
+    as in a real step; n_calls per timed graph replay."""
+    nbytes = w.numel() * w.element_size()
+    copies = [w] + [w.clone() for _ in range(min(16, -(-(128 << 20) // nbytes)) - 1)]
+    return copies, max(len(copies), 4 if nbytes > (64 << 20) else 16)
+
+
 def _choose(key: tuple, run, w):
     """The candidate config for this shape (None: cuBLAS): forced, cached, or timed now
     over `_linear_candidates` (run(cfg, w) makes one call with weight w). While a graph is
@@ -761,11 +770,7 @@ def _choose(key: tuple, run, w):
     if w.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     cands = _linear_candidates(w.shape[1], parts=key[1] == "linear+norm")
-    # distinct weight copies cycled through, > 128 MB together, so that L2 (50 MB on an
-    # H200) holds none of them when it comes round again, as in a real step
-    nbytes = w.numel() * w.element_size()
-    copies = [w] + [w.clone() for _ in range(min(16, -(-(128 << 20) // nbytes)) - 1)]
-    n_calls = max(len(copies), 4 if nbytes > (64 << 20) else 16)
+    copies, n_calls = _weight_copies(w)
     times = {}
 
     def race(cands):
