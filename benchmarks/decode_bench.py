@@ -171,12 +171,14 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     # (decode_triton.FUSE_KV_WRITE); "inline": no combine kernel; "tlin": Triton decode linears
     # (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
     # "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": decode_triton.ATTN_DOT;
-    # "pdl0" / "pdl1" / "pdl2": decode_triton.PDL (programmatic dependent launch)
+    # "pdl0" / "pdl1" / "pdl2": decode_triton.PDL (programmatic dependent launch); "m100": a
+    # Triton linear is picked whenever it times faster than cuBLAS (default margin 3%)
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
     saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-             dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL)
+             dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
+             dtr._TUNE_MARGIN)
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -200,11 +202,17 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr.ATTN_DOT = f == "dot"
         if f in ("pdl0", "pdl1", "pdl2"):
             dtr.PDL = int(f[3])
+        if f.startswith("m") and f[1:].isdigit():   # the per-shape choices are made again
+            dtr._TUNE_MARGIN = int(f[1:]) / 100
+            dtr._CHOICE.clear()
     try:
         return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
     finally:
         (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-         dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL) = saved
+         dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
+         dtr._TUNE_MARGIN) = saved
+        if any(f.startswith("m") and f[1:].isdigit() for f in flags):
+            dtr._CHOICE.clear()
 
 
 def _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample):
@@ -284,6 +292,52 @@ def profile_steps(model, ids, mask, path, steps=6):
     fg.release()
 
 
+def profile_graph(model, ids, mask, path, steps=24):
+    """Where the captured decode step's time goes, kernel by kernel: each kernel is charged
+    what it adds to the timeline (its end minus the previous kernel's end; with programmatic
+    dependent launch kernels overlap, so their own durations would count twice), idle time
+    between kernels separately. Written as a table, per decode step, to `path`."""
+    import collections
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    fg = decode.FastGenerator(model, max_prompt_len=ids.shape[1], max_new_tokens=steps)
+    kw = dict(max_new_tokens=steps, min_new_tokens=steps, pad_token_id=PAD, eos_token_id=EOS)
+    fg.generate(ids, mask, **kw)                          # capture
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fg.generate(ids, mask, **kw)
+        _sync()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    fg.release()
+    kernels = sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    # the decode steps' kernels: those replayed from a graph where the trace says so, else
+    # those whose count is a multiple of the steps (23, prime: prefill's per-layer kernels
+    # repeat 24, 30 or 32 times)
+    graph = [e for e in kernels if int(e.get("args", {}).get("graph id", 0) or 0) > 0]
+    count = collections.Counter(e["name"] for e in kernels)
+    decode_kernel = ((lambda e: int(e.get("args", {}).get("graph id", 0) or 0) > 0) if graph else
+                     (lambda e: count[e["name"]] % (steps - 1) == 0))
+    eff, gap, n_calls = collections.defaultdict(float), 0.0, collections.Counter()
+    prev_end = None
+    for e in kernels:
+        end = e["ts"] + e["dur"]
+        if prev_end is not None and decode_kernel(e):
+            gap += max(0.0, e["ts"] - prev_end)
+            eff[e["name"]] += end - max(prev_end, e["ts"])
+            n_calls[e["name"]] += 1
+        prev_end = end if prev_end is None else max(prev_end, end)
+    per_step = steps - 1
+    total = (sum(eff.values()) + gap) / per_step
+    lines = [f"decode step (graph replay, {per_step} steps): {total:.1f} us; idle between kernels "
+             f"{gap / per_step:.1f} us", "", "| kernel | calls/step | us/step | us/call |", "|---|---|---|---|"]
+    for name, us in sorted(eff.items(), key=lambda kv: -kv[1]):
+        calls = n_calls[name] / per_step
+        lines.append(f"| {name[:90]} | {calls:.1f} | {us / per_step:.1f} | {us / n_calls[name]:.2f} |")
+    Path(path).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:30]), flush=True)
+
+
 def run_case(preset, dtype, B, P, T, args, numerics_list, agree, sample=False, std=None):
     rows = []
     model = build(preset, dtype, std)
@@ -321,6 +375,7 @@ def run_case(preset, dtype, B, P, T, args, numerics_list, agree, sample=False, s
     if args.profile and preset in args.profile and B == 16 and dtype == torch.bfloat16 and std is None:
         try:
             profile_steps(model, ids, mask, Path(args.out) / f"profile_{preset}.txt")
+            profile_graph(model, ids, mask, Path(args.out) / f"profile_graph_{preset}.txt")
         except Exception:
             traceback.print_exc()
     del model, hf

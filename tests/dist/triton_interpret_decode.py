@@ -13,30 +13,40 @@ assert dt.available() and dt._interpreting()
 
 # kernels against their references: shapes with G = 1 (Bloom) and grouped queries
 gen = torch.Generator().manual_seed(0)
-for S, inline, dot in ((1, False, False), (2, False, False), (4, False, False), (2, True, False),
-                       (4, True, False), (1, False, True), (4, False, True), (2, True, True)):
-    dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = S, inline, dot
-    for B, Hkv, G, D, L, Hb in [(2, 3, 1, 16, 200, 3), (2, 2, 4, 32, 130, 1)]:
-        for p in (0, 63, 64, L - 2, L - 1):
-            kv = torch.randn(B, Hkv, L, 2, D, generator=gen)
-            q = torch.randn(B, Hkv, G, D, generator=gen)
-            if p % 2:   # Bloom's fused qkv [B, H, 3, D] ...
-                new = torch.randn(B, Hkv, 3, D, generator=gen)[:, :, 1:3]
-            else:       # ... and OPT's [B, 3, H, D]
-                new = torch.randn(B, 3, Hkv, D, generator=gen)[:, 1:3].transpose(1, 2)
-            kb = torch.randn(B, Hb, L, generator=gen)
-            kb[0, :, :3] = torch.finfo(kb.dtype).min
-            pos = torch.tensor([p])
-            torch.testing.assert_close(dt.decode_attention(q, kv, kb, pos, 0.1),
-                                       dt.decode_attention_ref(q, kv, kb, pos, 0.1), atol=1e-5, rtol=1e-5)
-            kv_fused, kv_ref = kv.clone(), kv.clone()
-            got = dt.decode_attention(q, kv_fused, kb, pos, 0.1, new_kv=new)
-            dt.write_kv_ref(kv_ref, new, pos)
-            assert torch.equal(kv_fused, kv_ref), ("fused K/V write", S, B, G, p)
-            torch.testing.assert_close(got, dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1), atol=1e-5, rtol=1e-5)
-    if inline:   # the last arrival re-armed every counter
-        assert all(int(c.abs().sum()) == 0 for c in dt._COUNTERS.values()), dt._COUNTERS
-dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = None, False, None
+ALL_ATTN = ((1, False, False), (2, False, False), (4, False, False), (2, True, False), (4, True, False),
+            (1, False, True), (4, False, True), (2, True, True))
+
+
+def check_attention(configs):
+    """(splits, inline combine, tensor-core dots) each against the reference, with and
+    without the fused K/V write; query positions at block and split edges."""
+    for S, inline, dot in configs:
+        dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = S, inline, dot
+        for B, Hkv, G, D, L, Hb in [(2, 3, 1, 16, 200, 3), (2, 2, 4, 32, 130, 1)]:
+            for p in (0, 63, 64, L - 2, L - 1):
+                kv = torch.randn(B, Hkv, L, 2, D, generator=gen)
+                q = torch.randn(B, Hkv, G, D, generator=gen)
+                if p % 2:   # Bloom's fused qkv [B, H, 3, D] ...
+                    new = torch.randn(B, Hkv, 3, D, generator=gen)[:, :, 1:3]
+                else:       # ... and OPT's [B, 3, H, D]
+                    new = torch.randn(B, 3, Hkv, D, generator=gen)[:, 1:3].transpose(1, 2)
+                kb = torch.randn(B, Hb, L, generator=gen)
+                kb[0, :, :3] = torch.finfo(kb.dtype).min
+                pos = torch.tensor([p])
+                torch.testing.assert_close(dt.decode_attention(q, kv, kb, pos, 0.1),
+                                           dt.decode_attention_ref(q, kv, kb, pos, 0.1), atol=1e-5, rtol=1e-5)
+                kv_fused, kv_ref = kv.clone(), kv.clone()
+                got = dt.decode_attention(q, kv_fused, kb, pos, 0.1, new_kv=new)
+                dt.write_kv_ref(kv_ref, new, pos)
+                assert torch.equal(kv_fused, kv_ref), ("fused K/V write", S, B, G, p)
+                torch.testing.assert_close(got, dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1),
+                                           atol=1e-5, rtol=1e-5)
+        if inline:   # the last arrival re-armed every counter
+            assert all(int(c.abs().sum()) == 0 for c in dt._COUNTERS.values()), dt._COUNTERS
+    dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = None, False, None
+
+
+check_attention(ALL_ATTN)
 for rms in (False, True):
     y, r, w, b = torch.randn(4, 96, generator=gen), torch.randn(4, 96, generator=gen), \
         torch.randn(96, generator=gen), torch.randn(96, generator=gen)
@@ -79,11 +89,13 @@ def _no_wait(PDL: tl.constexpr):
 
 check_linears()
 # again in the programmatic-dependent-launch layout (dt.PDL = 2: the linears read their first
-# weight tile before the grid-dependency wait); the interpreter has no grid dependency
-# control, so the wait is a no-op here and the kernels' arithmetic is what is checked
+# weight tile and the attention its first key block before the grid-dependency wait); the
+# interpreter has no grid dependency control, so the wait is a no-op here and the kernels'
+# arithmetic is what is checked
 real = dt._pdl_enter, dt._pdl_mode, dt._pdl_launch
 dt._pdl_enter, dt._pdl_mode, dt._pdl_launch = _no_wait, (lambda device: 2), (lambda mode: {})
 check_linears()
+check_attention(((1, False, False), (4, False, False), (1, False, True), (2, True, True)))
 dt._pdl_enter, dt._pdl_mode, dt._pdl_launch = real
 # argmax: the first of tied maxima (ties within and across slices), all -inf rows, bf16
 x = torch.randint(0, 7, (5, 9000), generator=gen).float()
