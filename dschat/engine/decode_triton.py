@@ -266,23 +266,16 @@ def decode_attention_ref(q, kv, key_bias, pos, scale: float):
 if triton is not None:
 
     @triton.jit
-    def _attn_load(kv_base, b_base, n0, end, skv_l, gmask, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Keys n0 .. n0+BLOCK_N (those < end): K [BLOCK_N, D], V [BLOCK_N, D] fp32, the
-        per-key bias [GP, BLOCK_N] fp32 and the key mask."""
+    def _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale, skv_l, gmask, offs_d,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr, DOT: tl.constexpr,
+                    INTERP: tl.constexpr):
+        """Online-softmax update with keys n0 .. n0+BLOCK_N (those < end). q [GP, D] in the
+        cache dtype when DOT (tensor-core dots; GP >= 16 rows, the padding rows zero), else fp32."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
         k = tl.load(kv_base + offs_n[:, None] * skv_l + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(kv_base + offs_n[:, None] * skv_l + D + offs_d[None, :],
                     mask=valid[:, None], other=0.0).to(tl.float32)
-        kb = tl.load(b_base[:, None] + offs_n[None, :], mask=gmask[:, None] & valid[None, :],
-                     other=0.0).to(tl.float32)
-        return k, v, kb, valid
-
-    @triton.jit
-    def _attn_update(q, k, v, kb, valid, m_i, l_i, acc, scale, GP: tl.constexpr, DOT: tl.constexpr,
-                     INTERP: tl.constexpr):
-        """Online-softmax update with one block from _attn_load. q [GP, D] in the cache
-        dtype when DOT (tensor-core dots; GP >= 16 rows, the padding rows zero), else fp32."""
         if DOT:
             # bf16/fp16 q.K^T with fp32 accumulation (exact products), then p.V in TF32
             if INTERP:                # Triton's CPU interpreter gets bf16 dots wrong (3.9)
@@ -293,7 +286,8 @@ if triton is not None:
             s = tl.sum(k.to(tl.float32) * tl.sum(q, axis=0)[None, :], axis=1)[None, :] * scale
         else:
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale   # [GP, BLOCK_N]
-        s += kb
+        s += tl.load(b_base[:, None] + offs_n[None, :],
+                     mask=gmask[:, None] & valid[None, :], other=0.0).to(tl.float32)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -307,13 +301,6 @@ if triton is not None:
             pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
         return m_new, l_i, acc
-
-    @triton.jit
-    def _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale, skv_l, gmask, offs_d,
-                    D: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr, DOT: tl.constexpr,
-                    INTERP: tl.constexpr):
-        k, v, kb, valid = _attn_load(kv_base, b_base, n0, end, skv_l, gmask, offs_d, D, BLOCK_N)
-        return _attn_update(q, k, v, kb, valid, m_i, l_i, acc, scale, GP, DOT, INTERP)
 
     @triton.jit
     def _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, bh, Hkv, G: tl.constexpr, GP: tl.constexpr,
@@ -344,12 +331,11 @@ if triton is not None:
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
                            FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr, DOT: tl.constexpr,
                            GS: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
         h = bh % Hkv
-        # pos and the cache below slot pos are written by earlier steps, never by the kernel
-        # just before this one (the QKV projection): readable before the PDL wait
         n_keys = tl.load(pos_ptr) + 1                 # slots 0..pos, read on the device
         start = split * chunk
         if FUSED:                                     # slot pos comes from new_ptr, below
@@ -365,9 +351,6 @@ if triton is not None:
         kv_base = kv_ptr + b * skv_b + h * skv_h
         # per-head bias row: query head h*G+g (sb_h is 0 where the bias is shared by heads)
         b_base = bias_ptr + b * sb_b + (h * G + offs_g) * sb_h
-        if PDL == 2:                  # the first key block is read while the previous kernel ends
-            k0, v0, kb0, valid0 = _attn_load(kv_base, b_base, start, end, skv_l, gmask, offs_d, D, BLOCK_N)
-        _pdl_enter(PDL)
         q_in = tl.load(q_ptr + b * sq_b + h * sq_h + offs_g[:, None] * sq_g + offs_d[None, :],
                        mask=gmask[:, None], other=0.0)
         q = q_in.to(tl.float32)
@@ -386,10 +369,6 @@ if triton is not None:
             tl.store(kv_base + p * skv_l + offs_d, k_new, mask=dmask)
             tl.store(kv_base + p * skv_l + D + offs_d, v_new, mask=dmask)
             kb_new = tl.load(b_base + p, mask=offs_g < G * own, other=0.0).to(tl.float32)
-        if PDL == 2:
-            if start < end:           # (an all-masked block would make the softmax NaN)
-                m_i, l_i, acc = _attn_update(qb, k0, v0, kb0, valid0, m_i, l_i, acc, scale, GP, DOT, WHILE)
-            start += BLOCK_N
         if WHILE:                                     # Triton's CPU interpreter path
             n0 = start
             while n0 < end:
