@@ -172,14 +172,13 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     # (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
     # "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": decode_triton.ATTN_DOT;
     # "pdl0" / "pdl1" / "pdl2": decode_triton.PDL (programmatic dependent launch); "m100": a
-    # Triton linear is picked whenever it times faster than cuBLAS (default margin 3%);
-    # "nofusenorm": decode_triton.FUSE_NORM off (an add+norm kernel writes each norm's output)
+    # Triton linear is picked whenever it times faster than cuBLAS (default margin 3%)
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
     saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
              dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
-             dtr._TUNE_MARGIN, dtr.FUSE_NORM)
+             dtr._TUNE_MARGIN)
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -206,14 +205,12 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
         if f.startswith("m") and f[1:].isdigit():   # the per-shape choices are made again
             dtr._TUNE_MARGIN = int(f[1:]) / 100
             dtr._CHOICE.clear()
-        if f in ("fusenorm", "nofusenorm"):
-            dtr.FUSE_NORM = f == "fusenorm"
     try:
         return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
     finally:
         (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
          dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
-         dtr._TUNE_MARGIN, dtr.FUSE_NORM) = saved
+         dtr._TUNE_MARGIN) = saved
         if any(f.startswith("m") and f[1:].isdigit() for f in flags):
             dtr._CHOICE.clear()
 
@@ -456,8 +453,8 @@ def main():
         plan = [("bloom-560m", bf16, 16, variants, True, True, None),
                 ("bloom-560m", bf16, 64, ["fast:triton", "fast:triton:fusedkv"], True, False, None),
                 ("bloom-7b1", bf16, 16, ["fast", "fast:triton", "fast:triton:fusedkv"], True, False, None)]
-    elif args.plan == "candidates":   # the table, default vs the norms as their own kernels
-        ab = ["fast", "fast:nofusenorm"]
+    elif args.plan == "candidates":   # the table, default vs no programmatic dependent launch
+        ab = ["fast", "fast:pdl0"]
         plan = [("bloom-560m", bf16, 16, ab + ["fast:cublas", "fast:torchargmax"], True, True, None),
                 ("bloom-560m", fp32, 16, ab, True, False, None),
                 ("bloom-560m", bf16, 1, ab, False, False, None),

@@ -308,26 +308,6 @@ def test_triton_kernels_match_reference(monkeypatch):
                 torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
             dt.LINEAR_FORCE = None
             torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
-            # the norm applied by the next linear (FUSE_NORM): x = r + linear with row stats,
-            # then linear(norm(x)); forced configs, then "auto"'s timed choice (default PDL)
-            if dt.PDL is not None:
-                continue
-            w2 = (torch.randn(256, N, device="cuda", generator=g) / N ** 0.5).to(dtype)
-            b2 = torch.randn(256, device="cuda", generator=g).to(dtype)
-            for rms in (False, True):
-                want_x, want_h = dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, None if rms else nb, 1e-5, rms)
-                want_2 = dt.linear_ref(want_h, w2, b2, not rms).float()
-                forced = [{"linear+res": res, "linear+normed": normed} for res, normed in
-                          zip(list(dt._linear_candidates(K, parts=True, cublas=False).values())[::5],
-                              itertools.cycle(dt._linear_candidates(N, parts=False, cublas=False).values()))]
-                for dt.LINEAR_FORCE in forced + [None]:
-                    got_x, pending = dt.linear_add_norm(x, w, b, r, nw, None if rms else nb, 1e-5, rms, lazy=True)
-                    assert isinstance(pending, dt.PendingNorm)
-                    torch.testing.assert_close(got_x.float(), want_x.float(), atol=tol * 4, rtol=tol)
-                    torch.testing.assert_close(pending.materialize().float(), want_h.float(), atol=tol * 4, rtol=tol)
-                    torch.testing.assert_close(dt.tuned_linear(pending, w2, b2, not rms).float(), want_2,
-                                               atol=tol * 8, rtol=tol * 2)
-                dt.LINEAR_FORCE = None
         dt.PDL = None
         # argmax: torch's index exactly, ties included
         x = torch.randint(0, 50, (16, 250880), device="cuda", generator=g).to(dtype)

@@ -299,14 +299,12 @@ class _DecodeBlock:
         """The fused add+norm for this tensor (the Triton one only for 2-D decode tensors)."""
         return self.add_norm if x.dim() == 2 else add_norm_ref
 
-    def lin_add_norm(self, a, lin, r, nw, nb, eps: float, rms: bool, lazy: bool = False):
+    def lin_add_norm(self, a, lin, r, nw, nb, eps: float, rms: bool):
         """add_norm(linear(a, *lin), r, nw, nb, eps): the residual add + norm after a block's
         output projections. With per-shape linears ("auto") one tuned op for decode tensors,
-        where the linear may be split over K into partials that the norm kernel sums.
-        `lazy`: the caller passes h only to self.lin, so h may come back as a
-        decode_triton.PendingNorm that the next linear applies as it loads (no norm kernel)."""
+        where the linear may be split over K into partials that the norm kernel sums."""
         if self.lin is decode_triton.tuned_linear and a.dim() == 2:
-            return decode_triton.linear_add_norm(a, lin[0], lin[1], r, nw, nb, eps, rms, lazy=lazy)
+            return decode_triton.linear_add_norm(a, lin[0], lin[1], r, nw, nb, eps, rms)
         return self.norms(a)(self.lin(a, *lin), r, nw, nb, eps, rms=rms)
 
     @property
@@ -396,14 +394,12 @@ class _BloomBlock(_DecodeBlock):
         Each residual add is fused with the norm that follows it."""
         last = len(self.layers) - 1
         h = self._ln(x, self.layers[0]["ln1"])
-        lazy = not self.post_ln_residual         # h feeds only the next linear
         for li, lay in enumerate(self.layers):
             res = h if self.post_ln_residual else x
-            x, h = self.lin_add_norm(attend(li, h), lay["dense"], res, *lay["ln2"], rms=False, lazy=lazy)
+            x, h = self.lin_add_norm(attend(li, h), lay["dense"], res, *lay["ln2"], rms=False)
             res = h if self.post_ln_residual else x
             nxt = self.ln_f if li == last else self.layers[li + 1]["ln1"]
-            x, h = self.lin_add_norm(self._mlp_up(h, lay["fc1"], exact), lay["fc2"], res, *nxt, rms=False,
-                                     lazy=lazy)
+            x, h = self.lin_add_norm(self._mlp_up(h, lay["fc1"], exact), lay["fc2"], res, *nxt, rms=False)
         return h
 
     def prefill(self, ids, mask, pos_ids, kv, key_bias):
@@ -528,12 +524,12 @@ class _OPTBlock(_DecodeBlock):
             return x if self.ln_f is None else self._ln(x, self.ln_f)
         h = self._ln(x, self.layers[0]["ln1"])
         for li, lay in enumerate(self.layers):
-            x, h = self.lin_add_norm(attend(li, h), lay["o"], x, *lay["ln2"], rms=False, lazy=True)
+            x, h = self.lin_add_norm(attend(li, h), lay["o"], x, *lay["ln2"], rms=False)
             nxt = self.ln_f if li == last else self.layers[li + 1]["ln1"]
             if nxt is None:
                 h = x + self.lin(up(h, lay), *lay["fc2"])
             else:
-                x, h = self.lin_add_norm(up(h, lay), lay["fc2"], x, *nxt, rms=False, lazy=True)
+                x, h = self.lin_add_norm(up(h, lay), lay["fc2"], x, *nxt, rms=False)
         return h
 
     def _logits(self, h, lin=_lin):
@@ -681,10 +677,9 @@ class _LlamaBlock(_DecodeBlock):
         h = self._rms(x, self.layers[0]["ln1"])
         for li, lay in enumerate(self.layers):
             w, eps = lay["ln2"]
-            x, h = self.lin_add_norm(attend(li, h), lay["o"], x, w, None, eps, rms=True, lazy=True)
+            x, h = self.lin_add_norm(attend(li, h), lay["o"], x, w, None, eps, rms=True)
             w, eps = self.ln_f if li == last else self.layers[li + 1]["ln1"]
-            x, h = self.lin_add_norm(self._mlp_inner(h, lay), lay["down"], x, w, None, eps, rms=True,
-                                     lazy=True)
+            x, h = self.lin_add_norm(self._mlp_inner(h, lay), lay["down"], x, w, None, eps, rms=True)
         return h
 
     def prefill(self, ids, mask, pos_ids, kv, key_bias):
@@ -912,9 +907,6 @@ class FastGenerator:
         lengths = sorted({self._bucket_len(p + 1) for p in range(P, P + T - 1)})
         on_device = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
         with on_device, torch.autocast(dev.type, enabled=False):
-            # the norms folded into the linears after them (decode_triton.FUSE_NORM) follow
-            # the weights, which a refill from ZeRO-3 shards may have changed in place
-            decode_triton.refresh_norm_folds()
             if self.use_cuda_graph:
                 self._capture(ws, Bb, lengths, mode)
             if mode.do_sample:

@@ -16,9 +16,6 @@ On Hopper and later every kernel here is launched with programmatic dependent la
 """
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -576,11 +573,6 @@ if triton is not None:
     def _dot_w(acc, x_ptr, w, offs_m, k, m_ok, k_ok, sx, LIBDEVICE: tl.constexpr, IEEE: tl.constexpr):
         """acc + x[offs_m, k] @ w (w: a tile from _load_w)."""
         x = tl.load(x_ptr + offs_m[:, None] * sx + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        return _dot_x(acc, x, w, LIBDEVICE, IEEE)
-
-    @triton.jit
-    def _dot_x(acc, x, w, LIBDEVICE: tl.constexpr, IEEE: tl.constexpr):
-        """acc + x @ w for loaded tiles."""
         if not LIBDEVICE:             # Triton's CPU interpreter gets bf16 dots wrong (3.9)
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -589,38 +581,10 @@ if triton is not None:
         return acc + tl.dot(x, w)
 
     @triton.jit
-    def _norm_rows(st_ptr, offs_m, m_ok, M, T, K, eps,
-                   TILE: tl.constexpr, T_PAD: tl.constexpr, RMS: tl.constexpr):
-        """(mean, 1/sqrt(var + eps)) per row [BLOCK_M] of a [M, K] residual stream from the
-        per-tile (mean, M2) statistics [T, M, 2] its producer wrote (tiles of TILE columns),
-        merged as in Chan et al.'s parallel variance; RMS: mean 0 and the mean square."""
-        offs_t = tl.arange(0, T_PAD)
-        ok = (offs_t < T)[:, None] & m_ok[None, :]
-        at = st_ptr + (offs_t[:, None] * M + offs_m[None, :]) * 2
-        mean_t = tl.load(at, mask=ok, other=0.0)
-        m2_t = tl.load(at + 1, mask=ok, other=0.0)
-        cnt = tl.maximum(tl.minimum(K - offs_t * TILE, TILE), 0).to(tl.float32)[:, None]
-        if RMS:
-            ms = tl.sum(m2_t + cnt * mean_t * mean_t, axis=0) / K
-            return tl.zeros_like(ms), tl.rsqrt(ms + eps)
-        mean = tl.sum(cnt * mean_t, axis=0) / K
-        d = mean_t - mean[None, :]
-        var = tl.sum(m2_t + cnt * d * d, axis=0) / K
-        return mean, tl.rsqrt(var + eps)
-
-    @triton.jit
     def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy,
-                       st_ptr, c_ptr, d_ptr, T, eps,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        HAS_B: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr,
-                       IEEE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr = 0,
-                       TILE: tl.constexpr = 1, T_PAD: tl.constexpr = 1, HAS_D: tl.constexpr = False):
-        """y = x @ w.T (+ b) (then tanh-GELU). NORM 1 / 2: y = norm(r) @ w.T (+ b) for the
-        LayerNorm / RMSNorm (weight g, bias nb) of a residual stream r, with x = r * g
-        (written by the producer) and the norm applied after the dot, per row and column:
-        norm(r) @ w.T = rstd * (x @ w.T) - mean * rstd * c + d, c = w @ g, d = w @ nb (fp32,
-        `_norm_fold`); mean and rstd from the producer's per-tile statistics st_ptr. The loop
-        is the plain one: any arithmetic on the x tile would cost its pipelined loads."""
+                       IEEE: tl.constexpr, PDL: tl.constexpr):
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -635,19 +599,10 @@ if triton is not None:
             k_first = BLOCK_K
         else:
             _pdl_enter(PDL)
-        if NORM:
-            mean, rstd = _norm_rows(st_ptr, offs_m, m_ok, M, T, K, eps, TILE, T_PAD, NORM == 2)
         for k0 in range(k_first, K, BLOCK_K):
             k = k0 + offs_k
             acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < K, sx, sw,
                              LIBDEVICE, IEEE)
-        if NORM:
-            acc = acc * rstd[:, None]
-            if NORM == 1:
-                c = tl.load(c_ptr + offs_n, mask=n_ok, other=0.0)
-                acc -= (mean * rstd)[:, None] * c[None, :]
-            if HAS_D:
-                acc += tl.load(d_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_B:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GELU:                                        # tanh-GELU in fp32, as cuBLASLt's epilogue
@@ -699,89 +654,6 @@ if triton is not None:
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
-    @triton.jit
-    def _linear_res_kernel(a_ptr, w_ptr, b_ptr, r_ptr, x_ptr, st_ptr, p_ptr, count_ptr, g_ptr, u_ptr,
-                           M, N, K, chunk, sa, sw, sr, sx,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           SPLITS: tl.constexpr, HAS_B: tl.constexpr, LIBDEVICE: tl.constexpr,
-                           IEEE: tl.constexpr, WHILE: tl.constexpr, PDL: tl.constexpr):
-        """x = r + (a @ w.T + b) (each rounded as HF rounds the linear's output and the
-        residual add), u = x * g (g the next norm's weight; rounded to x's dtype) and the
-        per-tile (mean, M2) of x's rows over this program's BLOCK_N columns -> st_ptr
-        [N / BLOCK_N, M, 2]: what the next linear needs to apply the norm after its dot.
-        Split over K (program axis 1) into fp32 partials p [SPLITS, M, N]: the last of a
-        column tile's programs to finish (an arrival counter, re-armed by it) sums them in
-        split order (deterministic) and finishes the tile."""
-        s = tl.program_id(1)
-        tile = tl.program_id(0)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        start = s * chunk
-        end = tl.minimum(start + chunk, K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if PDL == 2:                  # the first weight tile is read while the previous kernel ends
-            k = start + offs_k
-            w0 = _load_w(w_ptr, offs_n, k, n_ok, k < end, sw)
-            _pdl_enter(PDL)
-            acc = _dot_w(acc, a_ptr, w0, offs_m, k, m_ok, k < end, sa, LIBDEVICE, IEEE)
-            start += BLOCK_K
-        else:
-            _pdl_enter(PDL)
-        if WHILE:                     # Triton's CPU interpreter path
-            k0 = start
-            while k0 < end:
-                k = k0 + offs_k
-                acc = _dot_block(acc, a_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < end, sa, sw,
-                                 LIBDEVICE, IEEE)
-                k0 += BLOCK_K
-        else:
-            for k0 in range(start, end, BLOCK_K):
-                k = k0 + offs_k
-                acc = _dot_block(acc, a_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < end, sa, sw,
-                                 LIBDEVICE, IEEE)
-        ok = m_ok[:, None] & n_ok[None, :]
-        if SPLITS == 1:
-            _finish_res_tile(acc, b_ptr, r_ptr, x_ptr, st_ptr, g_ptr, u_ptr, tile, offs_m, offs_n, m_ok,
-                             n_ok, ok, M, N, sr, sx, BLOCK_N, HAS_B)
-        else:
-            tl.store(p_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=ok)
-            # every thread's partial stores precede the arrival (barrier, then the atomic's
-            # release at GPU scope); the last arrival reads the others' from L2 (.cg)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-            if arrived == SPLITS - 1:
-                y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for i in range(SPLITS):
-                    y += tl.load(p_ptr + (i * M + offs_m[:, None]) * N + offs_n[None, :], mask=ok,
-                                 other=0.0, cache_modifier=".cg")
-                _finish_res_tile(y, b_ptr, r_ptr, x_ptr, st_ptr, g_ptr, u_ptr, tile, offs_m, offs_n, m_ok,
-                                 n_ok, ok, M, N, sr, sx, BLOCK_N, HAS_B)
-                tl.atomic_xchg(count_ptr + tile, 0)
-
-    @triton.jit
-    def _finish_res_tile(y, b_ptr, r_ptr, x_ptr, st_ptr, g_ptr, u_ptr, tile, offs_m, offs_n, m_ok, n_ok,
-                         ok, M, N, sr, sx, BLOCK_N: tl.constexpr, HAS_B: tl.constexpr):
-        dt = x_ptr.dtype.element_ty
-        if HAS_B:
-            y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = y.to(dt).to(tl.float32)                       # the linear's output
-        r = tl.load(r_ptr + offs_m[:, None] * sr + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
-        x = (y + r).to(dt)                                # the residual stream, rounded as HF's add
-        tl.store(x_ptr + offs_m[:, None] * sx + offs_n[None, :], x, mask=ok)
-        g = tl.load(g_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(u_ptr + offs_m[:, None] * N + offs_n[None, :], (x.to(tl.float32) * g[None, :]).to(dt), mask=ok)
-        xf = tl.where(ok, x.to(tl.float32), 0.0)
-        cnt = tl.minimum(N - tile * BLOCK_N, BLOCK_N).to(tl.float32)
-        mean = tl.sum(xf, axis=1) / cnt
-        d = tl.where(ok, xf - mean[:, None], 0.0)
-        at = st_ptr + (tile * M + offs_m) * 2
-        tl.store(at, mean, mask=m_ok)
-        tl.store(at + 1, tl.sum(d * d, axis=1), mask=m_ok)
-
-
 def _linear_block_n(N: int) -> int:
     if LINEAR_BLOCK_N:
         return LINEAR_BLOCK_N
@@ -796,56 +668,18 @@ def _triton_ok(x, w) -> bool:
             and w.stride(-1) == 1 and (x.device.type == "cuda" or _interpreting()))
 
 
-def _linear_triton(x, w, b, gelu: bool, bn: int, bk: int, warps: int = 4, stages=None, fold=None):
-    """x: a [M, K] tensor, or a PendingNorm whose norm the kernel applies after its dot
-    (with `fold` = _norm_fold(w, x) for a LayerNorm)."""
-    norm = x if isinstance(x, PendingNorm) else None
-    x = norm.u if norm else x
+def _linear_triton(x, w, b, gelu: bool, bn: int, bk: int, warps: int = 4, stages=None):
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     pdl = _pdl_mode(x.device)
-    nkw, c, d = {}, x, x
-    if norm:
-        T = norm.stats.shape[0]
-        if not norm.rms:
-            c, d = fold
-        nkw = dict(NORM=2 if norm.rms else 1, TILE=norm.tile, T_PAD=triton.next_power_of_2(T),
-                   HAS_D=d is not None and not norm.rms)
     _linear_kernel[(triton.cdiv(N, bn),)](
         x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        norm.stats if norm else x, c, d if d is not None else x, norm.stats.shape[0] if norm else 0,
-        float(norm.eps) if norm else 0.0,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
         HAS_B=b is not None, GELU=bool(gelu), LIBDEVICE=not _interpreting(),
         IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=warps,
-        **({"num_stages": stages} if stages else {}), **nkw, **_pdl_launch(pdl))
+        **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
     return y
-
-
-def _linear_res(a, w, b, r, g, splits: int, bn: int, bk: int, warps: int = 4, stages=None):
-    """(x, u, stats): x = r + linear(a, w, b), u = x * g and x's per-tile row statistics
-    (see `_linear_res_kernel`), the linear split over K into `splits` slices."""
-    M, K = a.shape
-    N = w.shape[0]
-    chunk, splits = _even_chunks(K, splits, bk)
-    tiles = triton.cdiv(N, bn)
-    counters = _arrival_counters(tiles, a.device) if splits > 1 else None
-    if splits > 1 and counters is None:        # first seen inside a capture: no counters yet
-        chunk, splits = _even_chunks(K, 1, bk)
-    x = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    u = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    stats = torch.empty(tiles, M, 2, dtype=torch.float32, device=a.device)
-    parts = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if splits > 1 else stats
-    pdl = _pdl_mode(a.device)
-    _linear_res_kernel[(tiles, splits)](
-        a, w, b if b is not None else w, r, x, stats, parts, counters if counters is not None else stats,
-        g, u, M, N, K, chunk, a.stride(0), w.stride(0), r.stride(0), x.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk, SPLITS=splits,
-        HAS_B=b is not None, LIBDEVICE=not _interpreting(), IEEE=a.dtype == torch.float32,
-        WHILE=_interpreting(), PDL=pdl, num_warps=warps, **({"num_stages": stages} if stages else {}),
-        **_pdl_launch(pdl))
-    return x, u, stats
 
 
 def _linear_parts(x, w, splits: int, bn: int, bk: int, warps: int = 4, stages=None):
@@ -882,17 +716,14 @@ _REFINE = ((4, 2), (4, 4), (4, 5), (8, 3), (8, 4))     # (warps, stages) tried o
 _CHOICE: dict = {}                                      # shape key -> (name, config)
 
 
-_TRITON_ONLY = ("linear+normed", "linear+res")    # fused with a norm: no cuBLAS equivalent
-
-
-def _linear_candidates(K: int, parts: bool, cublas: bool = True) -> dict:
-    out = {"cublas": None} if cublas else {}
+def _linear_candidates(K: int, parts: bool) -> dict:
+    out = {"cublas": None}
     for bn, bk in _TILES:
         if not parts:
             out[f"triton n{bn} k{bk}"] = (bn, bk)
             continue
         for sp in _SPLITS:
-            if sp == 1 or K >= sp * bk:
+            if K >= sp * bk:
                 out[f"triton split{sp} n{bn} k{bk}"] = (sp, bn, bk)
     return out
 
@@ -937,19 +768,13 @@ def _choose(key: tuple, run, w):
     over `_linear_candidates` (run(cfg, w) makes one call with weight w). While a graph is
     being captured nothing can be timed: cuBLAS for this call, and the choice is made at
     the next uncaptured call."""
-    triton_only = key[1] in _TRITON_ONLY
-    parts = key[1] in ("linear+norm", "linear+res")
-    fallback = None
-    if triton_only:            # used untimed (forced tests, or first seen inside a capture)
-        own = _linear_candidates(w.shape[1], parts, cublas=False)
-        fallback = own.get("triton split1 n32 k128" if parts else "triton n32 k128", next(iter(own.values())))
     if LINEAR_FORCE is not None:
-        return LINEAR_FORCE.get(key[1], fallback)
+        return LINEAR_FORCE.get(key[1])
     if key in _CHOICE:
         return _CHOICE[key][1]
     if w.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return fallback
-    cands = _linear_candidates(w.shape[1], parts, cublas=not triton_only)
+        return None
+    cands = _linear_candidates(w.shape[1], parts=key[1] == "linear+norm")
     copies, n_calls = _weight_copies(w)
     times = {}
 
@@ -966,151 +791,39 @@ def _choose(key: tuple, run, w):
         cands = dict(cands, **{f"{best} w{nw} st{ns}": cands[best] + (nw, ns) for nw, ns in _REFINE})
         race({n: c for n, c in cands.items() if n not in times})
         best = min(times, key=times.get)
-    if not triton_only and times[best] >= _TUNE_MARGIN * times["cublas"]:
+    if times[best] >= _TUNE_MARGIN * times["cublas"]:
         best = "cublas"
     _CHOICE[key] = (best, cands[best])
-    logger.info("decode linear %s: %s (%.1f us; cuBLAS %s)", key[1:], best, times[best],
-                f"{times['cublas']:.1f} us" if "cublas" in times else "not raced")
+    logger.info("decode linear %s: %s (%.1f us; cuBLAS %.1f us)", key[1:], best, times[best],
+                times["cublas"])
     return cands[best]
-
-
-# The norm after a residual add, applied by the next linear after its dot (no norm kernel
-# in between): the output projections (attention dense / o_proj, MLP fc2 / down_proj)
-# write the residual stream x, u = x * g (g the norm's weight) and per-tile row statistics
-# of x, and the linears that read norm(x) (QKV, fc1 / gate+up, the LM head) take u into
-# their unchanged, pipelined loop and finish with
-#     norm(x) @ w.T = rstd * (u @ w.T) - mean * rstd * (w @ g) + w @ nb
-# per row (mean, rstd) and column (w @ g, w @ nb: `_norm_fold`, fp32). Two kernels less
-# per layer. The products are rounded as u, not as HF's norm output: "fast" numerics.
-# False: the add+norm kernel writes norm(x) (A/B switch).
-FUSE_NORM = True
-
-
-@dataclass
-class PendingNorm:
-    """norm(x) not yet computed: x [M, N] the residual stream, u = x * w, stats [T, M, 2]
-    fp32 the (mean, M2) of each row over T tiles of `tile` columns, and the norm's
-    parameters."""
-    x: torch.Tensor
-    u: torch.Tensor
-    stats: torch.Tensor
-    tile: int
-    w: torch.Tensor
-    b: "torch.Tensor | None"
-    eps: float
-    rms: bool
-
-    @property
-    def shape(self):
-        return self.x.shape
-
-    def dim(self) -> int:
-        return self.x.dim()
-
-    def materialize(self) -> torch.Tensor:
-        """norm(x) as a tensor, for consumers that are not a decode linear."""
-        if self.rms:
-            return F.rms_norm(self.x, (self.x.shape[-1],), None, self.eps).to(self.x.dtype) * self.w
-        return F.layer_norm(self.x, (self.x.shape[-1],), self.w, self.b, self.eps)
-
-
-# (w, g, nb) -> fp32 (w @ g, w @ nb or None), at fixed addresses for captured graphs. Keyed
-# by the tensors' addresses and checked against weak references and version counters;
-# `refresh_norm_folds` recomputes them all in place (FastGenerator.generate does, before
-# every rollout: a ZeRO-3 refill of the replica may not bump the version counters).
-_FOLDS: dict = {}
-
-
-def _fold_compute(c, d, w, g, nb) -> None:
-    rows = max(1, (64 << 20) // (w.shape[1] * 4))          # fp32 chunks of at most 64 MB
-    for i in range(0, w.shape[0], rows):
-        wi = w[i:i + rows].float()
-        c[i:i + rows] = wi @ g.float()
-        if d is not None:
-            d[i:i + rows] = wi @ nb.float()
-
-
-def _fold_versions(w, g, nb) -> tuple:
-    return tuple(t._version for t in (w, g, nb) if t is not None)
-
-
-def _norm_fold(w, norm: PendingNorm):
-    """(w @ g, w @ nb) for a LayerNorm consumer w (None for RMSNorm, which needs neither);
-    None while a graph is being captured and the fold is not there yet."""
-    if norm.rms:
-        return (None, None)
-    g, nb = norm.w, norm.b
-    key = (w.data_ptr(), tuple(w.shape), g.data_ptr(), nb.data_ptr() if nb is not None else 0)
-    entry = _FOLDS.get(key)
-    live = entry is not None and entry["refs"][0]() is w and entry["refs"][1]() is g and \
-        (nb is None or entry["refs"][2]() is nb)
-    capturing = w.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if live and (capturing or entry["versions"] == _fold_versions(w, g, nb)):
-        return entry["c"], entry["d"]
-    if capturing:
-        return None
-    if not live:
-        entry = {"refs": (weakref.ref(w), weakref.ref(g), weakref.ref(nb) if nb is not None else None),
-                 "c": torch.empty(w.shape[0], dtype=torch.float32, device=w.device),
-                 "d": torch.empty(w.shape[0], dtype=torch.float32, device=w.device) if nb is not None else None}
-        _FOLDS[key] = entry
-    with torch.no_grad():
-        _fold_compute(entry["c"], entry["d"], w, g, nb)
-    entry["versions"] = _fold_versions(w, g, nb)
-    return entry["c"], entry["d"]
-
-
-def refresh_norm_folds() -> None:
-    """Recompute every live fold in place from its weights (dead ones are dropped)."""
-    for key, entry in list(_FOLDS.items()):
-        ts = [r() if r is not None else None for r in entry["refs"]]
-        if ts[0] is None or ts[1] is None or (entry["refs"][2] is not None and ts[2] is None):
-            del _FOLDS[key]
-            continue
-        with torch.no_grad():
-            _fold_compute(entry["c"], entry["d"], *ts)
-        entry["versions"] = _fold_versions(*ts)
 
 
 def tuned_linear(x, w, b=None, gelu: bool = False, epilogue: bool = False):
     """`linear_ref` (or cuBLASLt's bias+GELU epilogue when `epilogue`) or a Triton kernel,
-    whichever "auto" timed fastest for this shape. x may be a PendingNorm: then a Triton
-    kernel that applies the norm after its dot (cuBLAS cannot; it is not raced)."""
-    norm = x if isinstance(x, PendingNorm) else None
-    fold = _norm_fold(w, norm) if norm and _triton_ok(norm.x, w) else None
-    if norm and fold is None:       # not a decode tensor, or first seen inside a capture
-        x, norm = norm.materialize(), None
-
+    whichever "auto" timed fastest for this shape."""
     def cublas(w_):
         if gelu and epilogue and b is not None:
             return torch._addmm_activation(b, x, w_.t(), use_gelu=True)
         return linear_ref(x, w_, b, gelu)
-    if not norm and not _triton_ok(x, w):
+    if not _triton_ok(x, w):
         return cublas(w)
     M, K = x.shape
 
     def run(cfg, w_):
-        return cublas(w_) if cfg is None else _linear_triton(x, w_, b, gelu, *cfg, fold=fold)
-    key = (str(w.device), "linear+normed" if norm else "linear", M, w.shape[0], K, str(w.dtype),
-           b is not None, gelu, _pdl_mode(w.device))
+        return cublas(w_) if cfg is None else _linear_triton(x, w_, b, gelu, *cfg)
+    key = (str(x.device), "linear", M, w.shape[0], K, str(x.dtype), b is not None, gelu,
+           _pdl_mode(x.device))
     return run(_choose(key, run, w), w)
 
 
-def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool, lazy: bool = False):
+def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool):
     """add_norm(F.linear(a, w, b), r, nw, nb, eps, rms) -> (x, h), the linear split over K
     into partials that the add+norm kernel sums, where "auto" timed that faster than
-    cuBLAS + add+norm for this shape. `lazy` (and FUSE_NORM): h is a PendingNorm that the
-    next decode linear applies (the caller feeds h only to `tuned_linear`)."""
+    cuBLAS + add+norm for this shape."""
     if not _triton_ok(a, w) or nw is None:
         return add_norm(F.linear(a, w, b), r, nw, nb, eps, rms)
     M, K = a.shape
-    if lazy and FUSE_NORM:
-        def run(cfg, w_):
-            x, u, stats = _linear_res(a, w_, b, r, nw, *cfg)
-            return x, PendingNorm(x, u, stats, cfg[1], nw, nb, eps, bool(rms))
-        key = (str(a.device), "linear+res", M, w.shape[0], K, str(a.dtype), b is not None,
-               _pdl_mode(a.device))
-        return run(_choose(key, run, w), w)
 
     def run(cfg, w_):
         if cfg is None:
