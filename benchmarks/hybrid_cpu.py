@@ -1,7 +1,7 @@
 """Generation under ZeRO-3 on CPU ranks: hybrid off vs ours (full, layered) vs DeepSpeed's
 `unwrap_model_for_generation`, side by side.
 
-    deepspeed --num_gpus 2 benchmarks/hybrid_cpu.py [--layers 6 --hidden 512 --heads 8
+    deepspeed --num_gpus 2 benchmarks/hybrid_cpu.py [--modes off,full,layered,ds_unwrap] [--layers 6 --hidden 512 --heads 8
         --vocab 4096 --batch 4 --prompt_len 32 --new_tokens 32 --repeats 3 --group_size 2
         --json out.json]
 
@@ -41,7 +41,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--new_tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--group_size", type=int, default=2, help="tp_gather_partition_size of layered mode")
-    p.add_argument("--modes", default="off,full,layered,ds_unwrap")
+    p.add_argument("--modes", default="off,full,layered,ds_unwrap",
+                   help="comma list of off, full, layered, ds_unwrap, full:dsfetch, layered:dsfetch "
+                        "(:dsfetch = the replica filled through DeepSpeed's fetch, not straight from the shards)")
     p.add_argument("--json", default="")
     return p.parse_args()
 
@@ -90,6 +92,7 @@ def main():
     import torch.distributed as dist
     from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
+    from dschat.engine import gather as gather_mod
     from dschat.engine.gather import GatherPlan, GatherScheduler
     from dschat.engine.hybrid import HybridActor
     from dschat.engine.zero import params_left_gathered
@@ -105,8 +108,13 @@ def main():
     for mode in args.modes.split(","):
         sched = GatherScheduler()
         extra = {}
-        if mode in ("off", "full", "layered"):
-            actor = HybridActor(engine, enable_hybrid_engine=mode != "off", mode="layered" if mode == "layered" else "full",
+        # "full:dsfetch" / "layered:dsfetch": the replica filled through DeepSpeed's own fetch
+        # (gather.DIRECT_FILL off) instead of straight from the shards
+        gather_mod.DIRECT_FILL = not mode.endswith(":dsfetch")
+        base_mode = mode.split(":")[0]
+        if base_mode in ("off", "full", "layered"):
+            actor = HybridActor(engine, enable_hybrid_engine=base_mode != "off",
+                                mode="layered" if base_mode == "layered" else "full",
                                 tp_gather_partition_size=args.group_size, scheduler=sched, **common)
             first_t0 = time.perf_counter()
             actor.generate(ids, mask, **gen)                       # warm-up (builds the replica)
@@ -138,7 +146,7 @@ def main():
         outputs[mode] = out
         med = statistics.median(times)
         row = {"seconds": med, "ms_per_step": 1000 * med / args.new_tokens, **extra}
-        if mode in ("full", "layered"):
+        if base_mode in ("full", "layered"):
             g = sched.pop_stats()
             row["gather_s"] = g["gather/seconds"] / args.repeats
             row["gather_bytes"] = g["gather/bytes"] / args.repeats
@@ -168,7 +176,9 @@ def main():
         print("| mode | s/rollout | ms/step | speed-up vs off | gather s | copy s | gather MiB | first call s | tokens = off |")
         print("|---|---|---|---|---|---|---|---|---|")
         names = {"off": "hybrid off (ZeRO-3 hooks, synced_gpus)", "full": "ours: full replica",
-                 "layered": "ours: layered", "ds_unwrap": "DeepSpeed unwrap_model_for_generation"}
+                 "layered": "ours: layered", "ds_unwrap": "DeepSpeed unwrap_model_for_generation",
+                 "full:dsfetch": "ours: full replica, filled by DeepSpeed's fetch",
+                 "layered:dsfetch": "ours: layered, filled by DeepSpeed's fetch"}
         for mode, r in rows.items():
             gs = "n/a" if r["gather_s"] is None else f"{r['gather_s']:.3f}"
             fc = f"{r['first_call_s']:.2f}" if "first_call_s" in r else "-"

@@ -205,6 +205,10 @@ def test_zero3_families_lora_full_layered_hooks(tmp_path):
             for key in ("left_after_generate", "left_after_scoring", "left_after_step_generate", "left_final"):
                 assert c[key] == [], f"{tag}: {key}"
             assert c["loss1_finite"], tag
+            # replica fills read the shards straight, except groups that merge a LoRA delta
+            assert c["direct_equals_deepspeed_fill"], tag
+            assert c["fill_gathers"]["direct"] > 0, tag
+            assert (c["fill_gathers"]["deepspeed"] > 0) == c["lora"], (tag, c["fill_gathers"])
 
 
 def test_zero_stages_offload_gathered_budget(tmp_path):

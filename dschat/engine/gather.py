@@ -371,6 +371,89 @@ class PendingGather:
             self.params = []
 
 
+# Replica fills read the ZeRO-3 shards straight into the replica: one all-gather of the
+# group's shards into a flat buffer, then each parameter's rank slices copied (and cast)
+# into its replica tensor. DeepSpeed's own fetch (PendingGather) also rebuilds every
+# param.data with a concatenation and re-partitions it afterwards, Python work per
+# parameter that a replica fill does not need. False: DeepSpeed's fetch everywhere (A/B).
+DIRECT_FILL = True
+
+
+class ShardGather:
+    """The partitioned ZeRO-3 params among `params` all-gathered from their shards
+    (`ds_tensor`) into one flat buffer, started on construction; no param.data is made
+    available and no ZeRO state changes. `copy_into(p, dst)` writes p's full value into
+    dst. Only for params `eligible` says it can serve; PendingGather serves the rest."""
+
+    def __init__(self, params: Iterable[torch.Tensor]):
+        self.params = [p for p in dict.fromkeys(params) if _needs_gather(p)]
+        self.nbytes = sum(full_nbytes(p) for p in self.params)
+        self.handle = self.flat = None
+        if not self.params:
+            return
+        from deepspeed import comm as dist
+        group = self.params[0].ds_process_group
+        self.world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        self.offset, self.part = {}, 0
+        for p in self.params:
+            self.offset[id(p)] = self.part
+            self.part += p.ds_tensor.ds_numel
+        shard = self.params[0].ds_tensor
+        self.flat = torch.empty(self.world * self.part, dtype=shard.dtype, device=shard.device)
+        local = self.flat.narrow(0, rank * self.part, self.part)
+        torch.cat([p.ds_tensor.view(-1)[:p.ds_tensor.ds_numel] for p in self.params], out=local)
+        self.handle = dist.allgather_fn(self.flat, local, group=group, async_op=True)
+
+    @staticmethod
+    def eligible(params: Iterable[torch.Tensor]) -> bool:
+        """One process group and shard dtype, shards on the accelerator (not offloaded to
+        CPU or NVMe), no ZeRO++ secondary partition, shards in the parameter's own dtype."""
+        todo = [p for p in dict.fromkeys(params) if _needs_gather(p)]
+        if not todo:
+            return True
+        from deepspeed.accelerator import get_accelerator
+        device = torch.device(get_accelerator().current_device_name())
+        first = todo[0]
+        return all(p.ds_process_group is first.ds_process_group and p.ds_tensor.dtype == p.dtype == first.dtype
+                   and p.ds_tensor.device == device and getattr(p.ds_tensor, "final_location", None) is None
+                   and getattr(p, "ds_secondary_tensor", None) is None for p in todo)
+
+    def holds(self, p: torch.Tensor) -> bool:
+        return id(p) in self.offset if self.params else False
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+    def copy_into(self, p: torch.Tensor, dst: torch.Tensor) -> None:
+        """dst[...] = p's full value: rank r's shard holds elements [r * n, (r + 1) * n)
+        of the flattened parameter (n = the shard size; the last one padded)."""
+        self.wait()
+        n, total, off = p.ds_tensor.ds_numel, p.ds_numel, self.offset[id(p)]
+        parts = [self.flat.narrow(0, r * self.part + off, min(n, total - r * n))
+                 for r in range(self.world) if r * n < total]
+        if dst.is_contiguous():
+            flat_dst, start = dst.view(-1), 0
+            for part in parts:
+                flat_dst.narrow(0, start, part.numel()).copy_(part)
+                start += part.numel()
+        else:
+            dst.copy_(torch.cat(parts).view(p.ds_shape))
+
+    def release(self) -> None:
+        self.wait()
+        self.flat, self.params, self.offset = None, [], {}
+
+
+def _fill_gather(params: list, items: list) -> "ShardGather | PendingGather":
+    """The gather for a replica fill of `items` (_Copy) from `params`: straight from the
+    shards where it can serve (no LoRA: its delta is computed from gathered params)."""
+    if DIRECT_FILL and all(item.lora is None for item in items) and ShardGather.eligible(params):
+        return ShardGather(params)
+    return PendingGather(params)
+
+
 # --------------------------------------------------------------------- replicas
 
 def _materialize(model: nn.Module, src: nn.Module, dtype: torch.dtype, device: torch.device,
@@ -566,10 +649,14 @@ def _lora_delta(layer: nn.Module) -> Optional[torch.Tensor]:
     return delta
 
 
-def _copy_group(items: list[_Copy]) -> None:
+def _copy_group(items: list[_Copy], gather: "ShardGather | PendingGather | None" = None) -> None:
     """Copy (cast) gathered source tensors into replica tensors in place; merge LoRA."""
+    direct = gather if isinstance(gather, ShardGather) else None
     with torch.no_grad():
         for item in items:
+            if direct is not None and direct.holds(item.src):
+                direct.copy_into(item.src, item.dst)
+                continue
             delta = _lora_delta(item.lora) if item.lora is not None else None
             if delta is None:
                 item.dst.copy_(item.src.data)
@@ -599,7 +686,7 @@ def _gather_copy(groups: list[GatherGroup], binding: ReplicaBinding, scheduler: 
             if lease is None:
                 return None
         try:
-            return lease, PendingGather(group.tensors())
+            return lease, _fill_gather(group.tensors(), binding.copies[group.name])
         except BaseException:
             if lease is not None:
                 lease.release()
@@ -625,7 +712,7 @@ def _gather_copy(groups: list[GatherGroup], binding: ReplicaBinding, scheduler: 
                 if i + 1 < len(groups):
                     ahead = start(groups[i + 1], prefetch=True)
                 t2 = time.perf_counter()
-                _copy_group(binding.copies[group.name])
+                _copy_group(binding.copies[group.name], pending)
                 t3 = time.perf_counter()
             finally:
                 finish(current)
@@ -779,7 +866,8 @@ class LayeredReplica:
                     return None         # over budget: no prefetch, load synchronously later
             else:
                 lease = self.scheduler.lease(nbytes, self.owner)
-        return chunk, PendingGather(params), lease, time.perf_counter()
+        items = [item for g in self.chunks[chunk] for item in self.binding.copies[g.name]]
+        return chunk, _fill_gather(params, items), lease, time.perf_counter()
 
     def _load(self, chunk: int) -> None:
         pending = self._pending
@@ -795,7 +883,7 @@ class LayeredReplica:
             gather.wait()
             t1 = time.perf_counter()
             for group in self.chunks[chunk]:
-                _copy_group(self.binding.copies[group.name])
+                _copy_group(self.binding.copies[group.name], gather)
             t2 = time.perf_counter()
             gather.release()
             t3 = time.perf_counter()

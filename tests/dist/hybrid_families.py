@@ -36,7 +36,38 @@ def eos_stop_check(actors: dict, ref, rank: int) -> dict:
     return out
 
 
+def count_fill_gathers(counts: dict):
+    """Count the replica fills' non-empty gathers by kind: straight from the shards
+    (gather.ShardGather) or through DeepSpeed's fetch (LoRA groups, where the delta needs
+    the gathered adapter params)."""
+    from dschat.engine import gather as G
+    real = G._fill_gather
+
+    def counting(params, items):
+        g = real(params, items)
+        if g.params:
+            counts["direct" if isinstance(g, G.ShardGather) else "deepspeed"] += 1
+        return g
+    G._fill_gather = counting
+    return real
+
+
+def direct_vs_deepspeed_fill(engine) -> bool:
+    """Two replicas filled from the same shards, straight and through DeepSpeed's fetch:
+    bit-identical."""
+    from dschat.engine import gather as G
+    reps = {}
+    for direct in (True, False):
+        G.DIRECT_FILL = direct
+        reps[direct] = G.build_replica(engine.module)
+        G.fill_replica(engine.module, reps[direct], scheduler=G.GatherScheduler())
+    G.DIRECT_FILL = True
+    a, b = reps[True].state_dict(), reps[False].state_dict()
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def run_case(family: str, lora: bool, rank: int) -> dict:
+    from dschat.engine import gather as G
     from dschat.engine.gather import GatherPlan, GatherScheduler
     from dschat.engine.hybrid import HybridActor
     from dschat.engine.zero import params_left_gathered
@@ -53,6 +84,8 @@ def run_case(family: str, lora: bool, rank: int) -> dict:
     res["plan_groups"] = [g.name for g in plan.groups]
     res["plan_bytes"] = plan.nbytes
 
+    counts = {"direct": 0, "deepspeed": 0}
+    real_fill_gather = count_fill_gathers(counts)
     scheds = {name: GatherScheduler() for name in ("full", "layered")}
     common = dict(max_prompt_len=16, max_new_tokens=8)
     actors = {
@@ -126,6 +159,9 @@ def run_case(family: str, lora: bool, rank: int) -> dict:
     res["left_after_step_generate"] = params_left_gathered(engine.module)
     loss1 = hc.train_step(engine, seq, seq_mask)
     res["loss1_finite"] = math.isfinite(loss1)
+    G._fill_gather = real_fill_gather
+    res["fill_gathers"] = counts
+    res["direct_equals_deepspeed_fill"] = direct_vs_deepspeed_fill(engine)
     res["left_final"] = params_left_gathered(engine.module)
     res["seconds"] = timer()
     for actor in actors.values():
