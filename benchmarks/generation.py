@@ -48,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--hooks_max_layers", type=int, default=None,
                    help="Skip the (slow) hooks mode for models with more layers than this.")
     p.add_argument("--layered", action="store_true", help="Also run ours in layered mode (--unpin_actor_parameters).")
+    p.add_argument("--dsfetch", action="store_true",
+                   help="Also run ours with the replica filled through DeepSpeed's own fetch "
+                        "(gather.DIRECT_FILL off) instead of straight from the ZeRO-3 shards.")
     p.add_argument("--out", default=None, help="Append the table (markdown) and JSON rows to this file stem.")
     p.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
     return p.parse_args(argv)
@@ -117,6 +120,7 @@ def main(argv=None):
     import deepspeed
     from dschat.engine.config import eval_ds_config
     from dschat.engine.distributed import init_distributed, rank, world_size
+    from dschat.engine import gather as gather_mod
     from dschat.engine.hybrid import HybridActor
 
     device = init_distributed(args.local_rank)
@@ -178,30 +182,34 @@ def main(argv=None):
                 out, secs, peak = timed(unwrap_generate, device)
                 record("zero3 DeepSpeed unwrap", out, secs, peak)
             variants = [m for m in ("generic", "fast") if m in args.modes]
-            for mode in variants:
-                for layered in ([False, True] if args.layered and mode == "generic" else [False]):
-                    actor = HybridActor(engine, enable_hybrid_engine=True, mode="layered" if layered else "full",
-                                        use_fast_decode=(mode == "fast"), max_prompt_len=args.prompt_len,
-                                        max_new_tokens=args.new_tokens, inference_dtype=dtype)
-                    # first call builds and fills the replica (and captures graphs): measured apart
-                    _, first_s, _ = timed(lambda: actor.generate(ids, mask, max_new_tokens=args.new_tokens,
-                                                                 min_new_tokens=args.new_tokens, eos_token_id=1,
-                                                                 pad_token_id=0), device)
-                    actor.pop_stats()
-                    actor.mark_weights_updated()  # as after an optimizer step: refill in place
-                    if world_size() > 1:          # ranks level, as after a step's gradient all-reduce, so
-                        torch.distributed.barrier()   # the fill's all-gathers do not time a rank's lag
-                    out, secs, peak = timed(lambda: actor.generate(ids, mask, max_new_tokens=args.new_tokens,
-                                                                   min_new_tokens=args.new_tokens, eos_token_id=1,
-                                                                   pad_token_id=0), device)
-                    stats = actor.pop_stats()
-                    gather_s = stats.get("gen/fill_seconds", 0.0)
-                    label = f"ours {mode}" + (" layered" if layered else "")
-                    record(label, out, secs, peak, gather_s,
-                           extra=dict(first_call_s=first_s, refill_share=gather_s / secs if secs else 0.0))
-                    actor.release_inference_cache()
-                    del actor
-                    torch.cuda.empty_cache() if device.type == "cuda" else None
+            fills = [(m, lay, direct) for m in variants
+                     for lay in ([False, True] if args.layered and m == "generic" else [False])
+                     for direct in ([True, False] if args.dsfetch else [True])]
+            for mode, layered, direct in fills:
+                gather_mod.DIRECT_FILL = direct
+                actor = HybridActor(engine, enable_hybrid_engine=True, mode="layered" if layered else "full",
+                                    use_fast_decode=(mode == "fast"), max_prompt_len=args.prompt_len,
+                                    max_new_tokens=args.new_tokens, inference_dtype=dtype)
+                # first call builds and fills the replica (and captures graphs): measured apart
+                _, first_s, _ = timed(lambda: actor.generate(ids, mask, max_new_tokens=args.new_tokens,
+                                                             min_new_tokens=args.new_tokens, eos_token_id=1,
+                                                             pad_token_id=0), device)
+                actor.pop_stats()
+                actor.mark_weights_updated()  # as after an optimizer step: refill in place
+                if world_size() > 1:          # ranks level, as after a step's gradient all-reduce, so
+                    torch.distributed.barrier()   # the fill's all-gathers do not time a rank's lag
+                out, secs, peak = timed(lambda: actor.generate(ids, mask, max_new_tokens=args.new_tokens,
+                                                               min_new_tokens=args.new_tokens, eos_token_id=1,
+                                                               pad_token_id=0), device)
+                stats = actor.pop_stats()
+                gather_s = stats.get("gen/fill_seconds", 0.0)
+                label = f"ours {mode}" + (" layered" if layered else "") + ("" if direct else " (DeepSpeed fetch)")
+                record(label, out, secs, peak, gather_s,
+                       extra=dict(first_call_s=first_s, refill_share=gather_s / secs if secs else 0.0))
+                actor.release_inference_cache()
+                del actor
+                torch.cuda.empty_cache() if device.type == "cuda" else None
+            gather_mod.DIRECT_FILL = True
         del engine, model
         torch.cuda.empty_cache() if device.type == "cuda" else None
     if rank() == 0:
