@@ -389,12 +389,12 @@ class ShardGather:
         self.params = [p for p in dict.fromkeys(params) if _needs_gather(p)]
         self.nbytes = sum(full_nbytes(p) for p in self.params)
         self.handle = self.flat = None
+        self.offset, self.part = {}, 0          # id(param) -> its start in each rank's slice
         if not self.params:
             return
         from deepspeed import comm as dist
         group = self.params[0].ds_process_group
         self.world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        self.offset, self.part = {}, 0
         for p in self.params:
             self.offset[id(p)] = self.part
             self.part += p.ds_tensor.ds_numel
@@ -419,7 +419,7 @@ class ShardGather:
                    and getattr(p, "ds_secondary_tensor", None) is None for p in todo)
 
     def holds(self, p: torch.Tensor) -> bool:
-        return id(p) in self.offset if self.params else False
+        return id(p) in self.offset
 
     def wait(self) -> None:
         if self.handle is not None:
