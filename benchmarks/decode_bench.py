@@ -171,14 +171,16 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     # (decode_triton.FUSE_KV_WRITE); "inline": no combine kernel; "tlin": Triton decode linears
     # (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
     # "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": decode_triton.ATTN_DOT;
-    # "pdl0" / "pdl1" / "pdl2": decode_triton.PDL (programmatic dependent launch); "m100": a
+    # "pdl0" .. "pdl3": decode_triton.PDL (programmatic dependent launch); "pf<KiB>" /
+    # "pfl<KiB>" / "pfa<KiB>": mode 3's L2 prefetch per program, linears and attention /
+    # linears (decode_triton.PDL_PREFETCH) / attention (PDL_PREFETCH_ATTN); "m100": a
     # Triton linear is picked whenever it times faster than cuBLAS (default margin 3%)
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
     saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
              dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
-             dtr._TUNE_MARGIN)
+             dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN)
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -200,8 +202,13 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr.TRITON_ARGMAX = False
         if f in ("dot", "nodot"):   # tensor-core dots in the Triton decode attention or not
             dtr.ATTN_DOT = f == "dot"
-        if f in ("pdl0", "pdl1", "pdl2"):
+        if f in ("pdl0", "pdl1", "pdl2", "pdl3"):
             dtr.PDL = int(f[3])
+        for pre, names in (("pf", ("PDL_PREFETCH", "PDL_PREFETCH_ATTN")), ("pfl", ("PDL_PREFETCH",)),
+                           ("pfa", ("PDL_PREFETCH_ATTN",))):
+            if f.startswith(pre) and f[len(pre):].isdigit():
+                for name in names:
+                    setattr(dtr, name, int(f[len(pre):]) * 1024)
         if f.startswith("m") and f[1:].isdigit():   # the per-shape choices are made again
             dtr._TUNE_MARGIN = int(f[1:]) / 100
             dtr._CHOICE.clear()
@@ -210,7 +217,7 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     finally:
         (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
          dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
-         dtr._TUNE_MARGIN) = saved
+         dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN) = saved
         if any(f.startswith("m") and f[1:].isdigit() for f in flags):
             dtr._CHOICE.clear()
 
@@ -365,7 +372,7 @@ def run_case(preset, dtype, B, P, T, args, numerics_list, agree, sample=False, s
             if agree:
                 row.update(agreement(hf, fr, P))
             # the per-shape decode linears "auto" picked so far in this process
-            row["linear_choices"] = {" ".join(map(str, k[1:6])) + f" pdl{k[-1]}": str(v)
+            row["linear_choices"] = {" ".join(map(str, k[1:6])) + f" pdl{k[-2]} pf{k[-1]}": str(v)
                                      for k, (v, _) in decode.decode_triton._CHOICE.items()}
         except Exception as exc:                       # keep the other cases going
             traceback.print_exc()

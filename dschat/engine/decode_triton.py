@@ -51,8 +51,17 @@ def available() -> bool:
 # of them waited for its own predecessor before it let its dependents launch.
 # 0: off; 1: wait first thing; 2: as 1, but the linear kernels read their first weight tile
 # before waiting (weights are never written inside a decode step: the replica is refilled
-# between rollouts, outside any graph). None: 1 on compute capability 9+, else 0.
+# between rollouts, outside any graph); 3: as 1, but the linears and the attention first ask
+# L2 for the first PDL_PREFETCH(_ATTN) bytes of what they will stream (their weight strip,
+# their cached keys and values: PTX prefetch.global.L2, a hint that moves nothing through
+# the SM), so that bandwidth the previous kernel's tail leaves idle is put to use.
+# None: 3 on compute capability 9+, else 0. H200, bf16 decode ms/step, mode 1 -> 3 with
+# 8 KiB (benchmarks/RESULTS_decode.md, run 8): bloom-560m 1.087 -> 1.005 at batch 16,
+# 1.61 -> 1.57 at 64, 0.857 -> 0.820 at 1; the 7B shapes unchanged within 1%; more
+# than 16 KiB per program was slower (bloom-7b1 5.06 at 32 KiB, 5.32 at 128 KiB).
 PDL: "int | None" = None
+PDL_PREFETCH = 8192                   # mode 3: bytes per linear program (0: none)
+PDL_PREFETCH_ATTN = 8192              # mode 3: bytes per attention program (0: none)
 
 
 def _cuda_at_least(major: int, minor: int) -> bool:
@@ -69,7 +78,13 @@ def _pdl_mode(device) -> int:
     # programmatic edges inside captured CUDA graphs need CUDA 12.3+
     if torch.cuda.get_device_capability(device)[0] < 9 or not _cuda_at_least(12, 3):
         return 0
-    return 1 if PDL is None else int(PDL)
+    return 3 if PDL is None else int(PDL)
+
+
+def _launch_key(device) -> tuple:
+    """The launch settings a per-shape timing depends on."""
+    mode = _pdl_mode(device)
+    return mode, (PDL_PREFETCH, PDL_PREFETCH_ATTN) if mode == 3 else 0
 
 
 def _pdl_launch(mode: int) -> dict:
@@ -90,6 +105,24 @@ if triton is not None:
         @triton.jit
         def _pdl_enter(PDL: tl.constexpr):
             pass
+
+    @triton.jit
+    def _l2_prefetch_rows(base, rows, stride, k0, k_end, PF_K: tl.constexpr, LINE: tl.constexpr):
+        """Ask L2 for elements k0 .. k0+PF_K (clamped below k_end) of each of `rows` (valid row
+        indices) of a row-major matrix: one prefetch per LINE elements (128 bytes)."""
+        ks = tl.minimum(k0 + tl.arange(0, PF_K // LINE) * LINE, k_end - 1)
+        ptrs = base + rows[:, None].to(tl.int64) * stride + ks[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+def _prefetch_count(limit: int, floor: int) -> int:
+    """PDL mode 3's prefetch length along a row: the largest power of two <= limit, at
+    least `floor` (one 128-byte line)."""
+    n = floor
+    while n * 2 <= limit:
+        n *= 2
+    return n
 
 
 def add_norm_ref(y, r, w, b, eps: float, rms: bool):
@@ -330,14 +363,21 @@ if triton is not None:
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
                            FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr, DOT: tl.constexpr,
-                           GS: tl.constexpr, PDL: tl.constexpr):
-        _pdl_enter(PDL)
+                           GS: tl.constexpr, PDL: tl.constexpr, PF_N: tl.constexpr,
+                           LINE: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
         h = bh % Hkv
-        n_keys = tl.load(pos_ptr) + 1                 # slots 0..pos, read on the device
         start = split * chunk
+        if PDL == 3 and PF_N > 0:
+            # cached slots before pos are never written in this step (pos was set by the
+            # previous step): ask L2 for this program's first PF_N of them before waiting
+            last = tl.maximum(tl.load(pos_ptr) - 1, 0)
+            slots = tl.minimum(start + tl.arange(0, PF_N), last)
+            _l2_prefetch_rows(kv_ptr + b * skv_b + h * skv_h, slots, skv_l, 0, 2 * D, 2 * D, LINE)
+        _pdl_enter(PDL)
+        n_keys = tl.load(pos_ptr) + 1                 # slots 0..pos, read on the device
         if FUSED:                                     # slot pos comes from new_ptr, below
             end = tl.minimum(start + chunk, n_keys - 1)
         else:
@@ -506,6 +546,10 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     stages = {"num_stages": ATTN_STAGES} if ATTN_STAGES else {}
     count = _arrival_counters(B * Hkv, q.device) if ATTN_INLINE_COMBINE and S > 1 else None
     pdl = _pdl_mode(q.device)
+    line = 128 // kv.element_size()          # elements per 128-byte line; a slot is 2 * D
+    pf_n = 0
+    if pdl == 3 and PDL_PREFETCH_ATTN > 0:
+        pf_n = _prefetch_count(min(chunk, PDL_PREFETCH_ATTN // (2 * D * kv.element_size())), 1)
     inline = count is not None
     count = count if inline else m
     _attn_split_kernel[(B * Hkv, S)](
@@ -514,7 +558,8 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
         G=G, GP=GP, D=D, BLOCK_N=bn,
         SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
-        PDL=pdl, num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages,
+        PDL=pdl, PF_N=pf_n, LINE=line,
+        num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages,
         **_pdl_launch(pdl))
     if S > 1 and not inline:
         _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GS, D=D, SPLITS=S, PDL=pdl,
@@ -584,7 +629,8 @@ if triton is not None:
     def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        HAS_B: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr,
-                       IEEE: tl.constexpr, PDL: tl.constexpr):
+                       IEEE: tl.constexpr, PDL: tl.constexpr, PF_K: tl.constexpr,
+                       LINE: tl.constexpr):
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -592,6 +638,8 @@ if triton is not None:
         n_ok = offs_n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         k_first = 0
+        if PDL == 3 and PF_K > 0:     # the strip's first PF_K columns into L2 while the previous kernel ends
+            _l2_prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), sw, 0, K, PF_K, LINE)
         if PDL == 2:                  # the first weight tile is read while the previous kernel ends
             w0 = _load_w(w_ptr, offs_n, offs_k, n_ok, offs_k < K, sw)
             _pdl_enter(PDL)
@@ -619,7 +667,7 @@ if triton is not None:
     def _linear_part_kernel(x_ptr, w_ptr, p_ptr, M, N, K, chunk, sx, sw,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             LIBDEVICE: tl.constexpr, IEEE: tl.constexpr, WHILE: tl.constexpr,
-                            PDL: tl.constexpr):
+                            PDL: tl.constexpr, PF_K: tl.constexpr, LINE: tl.constexpr):
         """Split s of K (program axis 1): fp32 partial x[:, ks] @ w[ns, ks].T -> p[s]."""
         s = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -630,6 +678,8 @@ if triton is not None:
         start = s * chunk
         end = tl.minimum(start + chunk, K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if PDL == 3 and PF_K > 0:
+            _l2_prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), sw, start, end, PF_K, LINE)
         if PDL == 2:                  # the first weight tile is read while the previous kernel ends
             k = start + offs_k
             w0 = _load_w(w_ptr, offs_n, k, n_ok, k < end, sw)
@@ -678,8 +728,19 @@ def _linear_triton(x, w, b, gelu: bool, bn: int, bk: int, warps: int = 4, stages
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
         HAS_B=b is not None, GELU=bool(gelu), LIBDEVICE=not _interpreting(),
         IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=warps,
-        **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
+        **_prefetch_args(pdl, bn, K, w), **({"num_stages": stages} if stages else {}),
+        **_pdl_launch(pdl))
     return y
+
+
+def _prefetch_args(pdl: int, bn: int, k_len: int, w) -> dict:
+    """PF_K / LINE of the linear kernels: PDL mode 3 prefetches about PDL_PREFETCH bytes of
+    each program's bn weight rows, at most its k_len columns."""
+    line = 128 // w.element_size()
+    pf = 0
+    if pdl == 3 and PDL_PREFETCH > 0:
+        pf = _prefetch_count(min(k_len, PDL_PREFETCH // (bn * w.element_size())), line)
+    return {"PF_K": pf, "LINE": line}
 
 
 def _linear_parts(x, w, splits: int, bn: int, bk: int, warps: int = 4, stages=None):
@@ -693,7 +754,8 @@ def _linear_parts(x, w, splits: int, bn: int, bk: int, warps: int = 4, stages=No
         x, w, parts, M, N, K, chunk, x.stride(0), w.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
         LIBDEVICE=not _interpreting(), IEEE=x.dtype == torch.float32, WHILE=_interpreting(),
-        PDL=pdl, num_warps=warps, **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
+        PDL=pdl, num_warps=warps, **_prefetch_args(pdl, bn, chunk, w),
+        **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
     return parts
 
 
@@ -813,7 +875,7 @@ def tuned_linear(x, w, b=None, gelu: bool = False, epilogue: bool = False):
     def run(cfg, w_):
         return cublas(w_) if cfg is None else _linear_triton(x, w_, b, gelu, *cfg)
     key = (str(x.device), "linear", M, w.shape[0], K, str(x.dtype), b is not None, gelu,
-           _pdl_mode(x.device))
+           *_launch_key(x.device))
     return run(_choose(key, run, w), w)
 
 
@@ -830,7 +892,7 @@ def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool):
             return add_norm(F.linear(a, w_, b), r, nw, nb, eps, rms)
         return _launch_add_norm(None, r, nw, nb, eps, rms, parts=_linear_parts(a, w_, *cfg), lin_b=b)
     key = (str(a.device), "linear+norm", M, w.shape[0], K, str(a.dtype), b is not None, bool(rms),
-           _pdl_mode(a.device))
+           *_launch_key(a.device))
     return run(_choose(key, run, w), w)
 
 
