@@ -331,7 +331,7 @@ def test_programmatic_dependent_launch_only_on_hopper_cuda(monkeypatch):
     """PDL is a launch attribute of CUDA compute capability 9+: never requested on the CPU
     or in Triton's interpreter, whatever decode_triton.PDL says."""
     from dschat.engine import decode_triton as dt
-    for mode in (None, 1, 2):
+    for mode in (None, 1, 2, 3):
         monkeypatch.setattr(dt, "PDL", mode)
         assert dt._pdl_mode(torch.device("cpu")) == 0
         assert dt._pdl_launch(dt._pdl_mode(torch.device("cpu"))) == {}
@@ -342,3 +342,24 @@ def test_programmatic_dependent_launch_only_on_hopper_cuda(monkeypatch):
     assert not dt._cuda_at_least(12, 3)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     assert dt._cuda_at_least(12, 3)
+
+
+def test_l2_prefetch_lengths():
+    """Mode 3's prefetch per program: about PDL_PREFETCH bytes as a power of two of whole
+    128-byte lines, never past the program's K slice, nothing outside mode 3 or at 0 bytes."""
+    from dschat.engine import decode_triton as dt
+    w = torch.empty(8, 8, dtype=torch.bfloat16)
+    assert dt._prefetch_args(3, 32, 4096, w) == {"PF_K": 8192 // (32 * 2), "LINE": 64}
+    assert dt._prefetch_args(3, 16, 4096, w)["PF_K"] == 256
+    assert dt._prefetch_args(3, 64, 4096, w)["PF_K"] == 64      # below a line per row: one line
+    assert dt._prefetch_args(3, 16, 100, w)["PF_K"] == 64       # K slice of 100: one line
+    assert dt._prefetch_args(3, 16, 200, w)["PF_K"] == 128
+    assert dt._prefetch_args(1, 32, 4096, w)["PF_K"] == 0
+    assert dt._prefetch_args(3, 32, 4096, w.float())["LINE"] == 32
+    old = dt.PDL_PREFETCH
+    try:
+        dt.PDL_PREFETCH = 0
+        assert dt._prefetch_args(3, 32, 4096, w)["PF_K"] == 0
+    finally:
+        dt.PDL_PREFETCH = old
+    assert [dt._prefetch_count(n, 1) for n in (0, 1, 15, 16, 17)] == [1, 1, 8, 16, 16]
