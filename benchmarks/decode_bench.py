@@ -53,13 +53,19 @@ PRESETS = {
     "llama-7b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
                                max_position_embeddings=2048)),
+    "pythia-1.4b": ("gpt_neox", dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
+                                     intermediate_size=8192, vocab_size=50304, rotary_pct=0.25,
+                                     max_position_embeddings=2048)),
     # CPU smoke test of this script (--plan smoke)
     "tiny-bloom": ("bloom", dict(hidden_size=96, n_layer=2, n_head=6, vocab_size=1024)),
     "tiny-opt": ("opt", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
-                             vocab_size=1024, max_position_embeddings=128, word_embed_proj_dim=64)),
+                             vocab_size=1024, max_position_embeddings=1024, word_embed_proj_dim=64)),
     "tiny-llama": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, intermediate_size=128, vocab_size=1024,
                                  max_position_embeddings=128)),
+    "tiny-neox": ("gpt_neox", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=128, vocab_size=1024, rotary_pct=0.25,
+                                   max_position_embeddings=128)),
 }
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA = DEV == "cuda"
@@ -82,11 +88,12 @@ PAD, EOS = 0, 1
 
 def build(preset: str, dtype, std=None):
     """Random-init HF causal LM of the preset's shape, created on the GPU in `dtype`."""
-    from transformers import (BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCausalLM,
-                              OPTConfig, OPTForCausalLM)
+    from transformers import (BloomConfig, BloomForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM,
+                              LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM)
     kind, cfg = PRESETS[preset]
     cls, conf = {"bloom": (BloomForCausalLM, BloomConfig), "opt": (OPTForCausalLM, OPTConfig),
-                 "llama": (LlamaForCausalLM, LlamaConfig)}[kind]
+                 "llama": (LlamaForCausalLM, LlamaConfig),
+                 "gpt_neox": (GPTNeoXForCausalLM, GPTNeoXConfig)}[kind]
     config = conf(**cfg, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2)
     if std is not None:
         setattr(config, "init_std" if kind == "opt" else "initializer_range", std)
@@ -450,7 +457,8 @@ def main():
     elif args.plan == "smoke":
         plan = [("tiny-bloom", fp32, 4, nums, True, True, None), ("tiny-bloom", fp32, 4, ["fast"], True, False, 0.5),
                 ("tiny-opt", fp32, 3, ["fast"], True, False, None),
-                ("tiny-llama", fp32, 2, ["fast"], True, False, None)]
+                ("tiny-llama", fp32, 2, ["fast"], True, False, None),
+                ("tiny-neox", fp32, 2, ["fast"], True, False, None)]
     elif args.plan == "tune":
         plan = [("bloom-560m", bf16, 16, nums, True, True, None),
                 ("bloom-7b1", bf16, 16, nums, True, True, None)]

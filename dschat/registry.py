@@ -104,6 +104,7 @@ _FAMILIES = [
         lm_head="lm_head", tied_head=False, position="rotary", pad_fallback="eos",
         dropout_keys=("attention_dropout", "hidden_dropout"),
         lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+        fast_decode="gpt_neox",
         tp_decode="gpt_neox", tp_qkv_layout="per_head", tp_heads=("num_attention_heads",),
         tp_column=(("attention.query_key_value", "heads"), ("mlp.dense_h_to_4h", "ffn")),
         tp_row=(("attention.dense", "heads"), ("mlp.dense_4h_to_h", "ffn")),

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 import torch
-from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
+                          GPTNeoXForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, OPTConfig,
                           OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
@@ -44,6 +45,13 @@ def _llama_cfg(cls, **kw):
     return cls(**cfg)
 
 
+def _neox(**kw):
+    cfg = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=128, max_position_embeddings=64, rotary_pct=0.25, initializer_range=0.3)
+    cfg.update(kw)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**cfg))
+
+
 MODELS = {
     "bloom-6heads": lambda: _bloom(),
     "bloom-8heads-postln": lambda: _bloom(n_head=8, hidden=128, std=0.2,
@@ -53,6 +61,10 @@ MODELS = {
     "llama-gqa": lambda: LlamaForCausalLM(_llama_cfg(LlamaConfig)),
     "mistral": lambda: MistralForCausalLM(_llama_cfg(MistralConfig, sliding_window=None)),
     "qwen2-bias": lambda: Qwen2ForCausalLM(_llama_cfg(Qwen2Config)),
+    # Pythia's layout: partial rotary (a quarter of each head), parallel residual
+    "gpt_neox": lambda: _neox(),
+    "gpt_neox-serial-nobias": lambda: _neox(use_parallel_residual=False, attention_bias=False,
+                                            rotary_pct=0.5, hidden_act="gelu_new"),
 }
 
 
@@ -98,7 +110,7 @@ def test_greedy_matches_hf_with_eos(name):
     assert (ref[0, P + 4:] == PAD).all()
 
 
-@pytest.mark.parametrize("name", ["bloom-6heads", "opt", "llama-gqa"])
+@pytest.mark.parametrize("name", ["bloom-6heads", "opt", "llama-gqa", "gpt_neox"])
 def test_step_logits_match_hf_forward(name):
     model = make(name)
     ids, mask = prompts(B=4)
@@ -138,7 +150,7 @@ def test_min_new_tokens_and_eos_list_match_hf():
     assert not torch.isin(out[:, P:P + 5], torch.tensor(eos)).any()
 
 
-@pytest.mark.parametrize("name", ["bloom-6heads", "opt", "llama-gqa"])
+@pytest.mark.parametrize("name", ["bloom-6heads", "opt", "llama-gqa", "gpt_neox"])
 def test_refill_in_place_then_refresh(name):
     model, other = make(name, seed=0), make(name, seed=1)
     ids, mask = prompts()
@@ -218,6 +230,7 @@ def test_batch_buckets_and_chunks():
 def test_supported_configs():
     assert fast_decode_supported(make("bloom-6heads"))
     assert fast_decode_supported(make("llama-gqa"))
+    assert fast_decode_supported(make("gpt_neox"))
     assert not fast_decode_supported(GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=1,
                                                                 n_head=2)))
     windowed = MistralForCausalLM(_llama_cfg(MistralConfig, sliding_window=8))
@@ -249,6 +262,19 @@ def test_cuda_graph_matches_eager_and_hf(pdl, monkeypatch):
     a = graphs.generate(ids, mask, do_sample=True, generator=gen(), **kw)
     b = graphs.generate(ids, mask, do_sample=True, generator=gen(), **kw)
     assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["opt", "llama-gqa", "qwen2-bias", "gpt_neox", "gpt_neox-serial-nobias"])
+def test_cuda_graph_every_family_matches_hf(name):
+    """The other families' blocks through the captured step (Triton attention, fused K/V
+    write where the block has it, tuned linears): fp32 greedy tokens equal HF's."""
+    model = make(name).cuda()
+    ids, mask = (t.cuda() for t in prompts())
+    ref = hf_generate(model, ids, mask, eos_token_id=None)
+    fg = FastGenerator(model, max_prompt_len=16, max_new_tokens=16, use_cuda_graph=True)
+    assert torch.equal(fg.generate(ids, mask, max_new_tokens=T, eos_token_id=None, pad_token_id=PAD), ref)
 
 
 @pytest.mark.gpu

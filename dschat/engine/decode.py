@@ -29,7 +29,8 @@ How a generate call runs:
   HF's op order above (H200 measurements in benchmarks/RESULTS_decode.md); Bloom's prompt
   runs in HF's eager op order, so the first token's logits equal HF's.
 
-Per-family math lives in `_DecodeBlock` subclasses registered under the registry's
+Per-family math (Bloom, OPT, LLaMA / Mistral / Qwen2, GPT-NeoX) lives in `_DecodeBlock`
+subclasses registered under the registry's
 `fast_decode` key. `fast_decode_supported(model)` says whether a model can use this path;
 where it cannot, callers use HF `generate`.
 """
@@ -712,6 +713,128 @@ class _LlamaBlock(_DecodeBlock):
             kv[li].index_copy_(2, pos, src.unsqueeze(2))
             q = qk[:, :Hq].view(B, Hkv, Hq // Hkv, D)
             return _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl, pos)
+        return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
+
+
+@register_block("gpt_neox")
+class _GPTNeoXBlock(_DecodeBlock):
+    """GPT-NeoX (Pythia): fused QKV with each head's [q, k, v] rows together, rotary
+    positions on the first rotary_ndims dims of each head (partial rotary), LayerNorm, and
+    either the parallel residual x + attn(ln1(x)) + mlp(ln2(x)) or the serial one."""
+
+    @classmethod
+    def unsupported_reason(cls, model, config, max_total_len):
+        rotary = resolve(model, family_of(model).base_model + ".rotary_emb")
+        if rotary is None or not hasattr(rotary, "inv_freq"):
+            return "no rotary embedding module with inv_freq"
+        rope_type = getattr(rotary, "rope_type", "default")
+        if rope_type not in _LlamaBlock.STATIC_ROPE:
+            return f"rope type {rope_type!r} changes with sequence length"
+        if config.hidden_size % config.num_attention_heads:
+            return "hidden_size not divisible by num_attention_heads"
+        return None
+
+    def bind(self):
+        c, fam = self.config, self.fam
+        self.n_heads = self.n_kv_heads = c.num_attention_heads
+        self.bias_heads = 1
+        self.head_dim = c.hidden_size // c.num_attention_heads
+        self.parallel = bool(c.use_parallel_residual)
+        blocks = self.part(fam.blocks)
+        self.rot_dims = int(blocks[0].attention.rotary_ndims)
+        self.embed = self.part(fam.embed_tokens).weight
+        fin = self.part(fam.final_norm)
+        self.ln_f = (fin.weight, fin.bias, fin.eps)
+        self.head = self.part(fam.lm_head).weight
+        rot = resolve(self.model, fam.base_model + ".rotary_emb")
+        self.inv_freq = rot.inv_freq
+        self.rope_scaling = float(getattr(rot, "attention_scaling", 1.0))
+        self.layers = []
+        for blk in blocks:
+            at, mlp = blk.attention, blk.mlp
+            ln1, ln2 = blk.input_layernorm, blk.post_attention_layernorm
+            self.layers.append(dict(
+                ln1=(ln1.weight, ln1.bias, ln1.eps), ln2=(ln2.weight, ln2.bias, ln2.eps),
+                qkv=(at.query_key_value.weight, at.query_key_value.bias),
+                dense=(at.dense.weight, at.dense.bias),
+                fc1=(mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias),
+                fc2=(mlp.dense_4h_to_h.weight, mlp.dense_4h_to_h.bias), act=mlp.act))
+        self.n_layers = len(self.layers)
+        self.vocab = self.head.shape[0]
+        self.scale = self.head_dim ** -0.5
+
+    def tensors(self):
+        out = [self.embed, *self.ln_f[:2], self.head, self.inv_freq]
+        for lay in self.layers:
+            for key in ("ln1", "ln2", "qkv", "dense", "fc1", "fc2"):
+                out += [t for t in lay[key] if isinstance(t, torch.Tensor)]
+        return out
+
+    prompt_positions = _LlamaBlock.prompt_positions
+    _rope_tables = _LlamaBlock._rope_tables
+
+    def _rope(self, x, cos, sin):
+        """Rotary on the first rot_dims dims of each head, the rest passed through."""
+        r = self.rot_dims
+        if r == x.shape[-1]:
+            return _LlamaBlock._rope(x, cos, sin)
+        return torch.cat((_LlamaBlock._rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+
+    def _ln(self, x, ln):
+        return F.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
+
+    def _mlp(self, h, lay):
+        return lay["act"](self.lin(h, *lay["fc1"]))
+
+    def _body(self, x, attend):
+        """Embeddings -> final-norm output; attend(layer, h) -> context [.., H*D]. Residual
+        adds are fused with the norm that follows them."""
+        last = len(self.layers) - 1
+        h = self._ln(x, self.layers[0]["ln1"])
+        for li, lay in enumerate(self.layers):
+            nxt = self.ln_f if li == last else self.layers[li + 1]["ln1"]
+            if self.parallel:
+                # HF: (mlp(ln2(x)) + attn(ln1(x))) + x, in that order
+                m = self.lin(self._mlp(self._ln(x, lay["ln2"]), lay), *lay["fc2"])
+                a = self.lin(attend(li, h), *lay["dense"])
+                x, h = self.norms(x)(m + a, x, *nxt, rms=False)
+            else:
+                x, h = self.lin_add_norm(attend(li, h), lay["dense"], x, *lay["ln2"], rms=False)
+                x, h = self.lin_add_norm(self._mlp(h, lay), lay["fc2"], x, *nxt, rms=False)
+        return h
+
+    def prefill(self, ids, mask, pos_ids, kv, key_bias):
+        B, P = ids.shape
+        H, D = self.n_heads, self.head_dim
+        bias = _prefill_bias(key_bias, P)
+        cos, sin = self._rope_tables(pos_ids)                  # [B, P, rot_dims]
+        cos, sin = cos[:, :, None], sin[:, :, None]
+
+        def attend(li, h):
+            qkv = _lin(h, *self.layers[li]["qkv"]).view(B, P, H, 3, D)
+            q, k = self._rope(qkv[:, :, :, 0], cos, sin), self._rope(qkv[:, :, :, 1], cos, sin)
+            v = qkv[:, :, :, 2]
+            kv[li, :, :, :P].copy_(torch.stack((k, v), dim=3).transpose(1, 2))
+            return _attend_prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias,
+                                   self.scale, self.attn_impl)
+        h = self._body(F.embedding(ids, self.embed), attend)
+        return _lin(h[:, -1], self.head)
+
+    def decode(self, tok, row_pos, pos, kv, bias, Lb):
+        B = tok.shape[0]
+        H, D = self.n_heads, self.head_dim
+        cos, sin = self._rope_tables(row_pos)                  # [B, rot_dims]
+        cos, sin = cos[:, None], sin[:, None]
+
+        def attend(li, h):
+            qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
+            q, k = self._rope(qkv[:, :, 0], cos, sin), self._rope(qkv[:, :, 1], cos, sin)
+            new = torch.stack((k, qkv[:, :, 2]), dim=2)         # [B, H, 2, D]
+            if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
+                return decode_triton.decode_attention(q[:, :, None], kv[li], bias, pos, self.scale,
+                                                      new_kv=new)
+            kv[li].index_copy_(2, pos, new.unsqueeze(2))
+            return _attend_decode(q[:, :, None], kv[li], Lb, bias, self.scale, self.attn_impl, pos)
         return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
 
 
