@@ -773,12 +773,11 @@ class _GPTNeoXBlock(_DecodeBlock):
     prompt_positions = _LlamaBlock.prompt_positions
     _rope_tables = _LlamaBlock._rope_tables
 
-    def _rope(self, x, cos, sin):
-        """Rotary on the first rot_dims dims of each head, the rest passed through."""
-        r = self.rot_dims
-        if r == x.shape[-1]:
-            return _LlamaBlock._rope(x, cos, sin)
-        return torch.cat((_LlamaBlock._rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+    def _rope_qk(self, qkv, cos, sin) -> None:
+        """Rotary in place on the q and k rows of qkv [..., 3, D] (their first rot_dims dims;
+        the rest and v pass through): qkv is the QKV linear's own fresh output."""
+        qk = qkv[..., 0:2, :self.rot_dims]
+        qk.copy_(_LlamaBlock._rope(qk, cos, sin))
 
     def _ln(self, x, ln):
         return F.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
@@ -808,15 +807,14 @@ class _GPTNeoXBlock(_DecodeBlock):
         H, D = self.n_heads, self.head_dim
         bias = _prefill_bias(key_bias, P)
         cos, sin = self._rope_tables(pos_ids)                  # [B, P, rot_dims]
-        cos, sin = cos[:, :, None], sin[:, :, None]
+        cos, sin = cos[:, :, None, None], sin[:, :, None, None]
 
         def attend(li, h):
             qkv = _lin(h, *self.layers[li]["qkv"]).view(B, P, H, 3, D)
-            q, k = self._rope(qkv[:, :, :, 0], cos, sin), self._rope(qkv[:, :, :, 1], cos, sin)
-            v = qkv[:, :, :, 2]
-            kv[li, :, :, :P].copy_(torch.stack((k, v), dim=3).transpose(1, 2))
-            return _attend_prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias,
-                                   self.scale, self.attn_impl)
+            self._rope_qk(qkv, cos, sin)
+            kv[li, :, :, :P].copy_(qkv[:, :, :, 1:3].transpose(1, 2))
+            q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+            return _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)
         h = self._body(F.embedding(ids, self.embed), attend)
         return _lin(h[:, -1], self.head)
 
@@ -824,17 +822,16 @@ class _GPTNeoXBlock(_DecodeBlock):
         B = tok.shape[0]
         H, D = self.n_heads, self.head_dim
         cos, sin = self._rope_tables(row_pos)                  # [B, rot_dims]
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = cos[:, None, None], sin[:, None, None]
 
         def attend(li, h):
             qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
-            q, k = self._rope(qkv[:, :, 0], cos, sin), self._rope(qkv[:, :, 1], cos, sin)
-            new = torch.stack((k, qkv[:, :, 2]), dim=2)         # [B, H, 2, D]
+            self._rope_qk(qkv, cos, sin)
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
-                return decode_triton.decode_attention(q[:, :, None], kv[li], bias, pos, self.scale,
-                                                      new_kv=new)
-            kv[li].index_copy_(2, pos, new.unsqueeze(2))
-            return _attend_decode(q[:, :, None], kv[li], Lb, bias, self.scale, self.attn_impl, pos)
+                return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
+                                                      new_kv=qkv[:, :, 1:3])
+            kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
+            return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl, pos)
         return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
 
 
