@@ -111,6 +111,9 @@ CONFIGS = {
     # grouped queries (2 query heads per K/V head); no fused K/V write in this block
     "llama": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=128, initializer_range=0.5),
+    # partial rotary, parallel residual; q and the new K/V read from the QKV output in place
+    "gpt_neox": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, rotary_pct=0.25, initializer_range=0.5),
 }
 for family, kwargs in CONFIGS.items():
     cfg = AutoConfig.for_model(family, **kwargs)
