@@ -56,6 +56,7 @@ PRESETS = {
     "pythia-1.4b": ("gpt_neox", dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
                                      intermediate_size=8192, vocab_size=50304, rotary_pct=0.25,
                                      max_position_embeddings=2048)),
+    "gpt2-xl": ("gpt2", dict(n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024)),
     # CPU smoke test of this script (--plan smoke)
     "tiny-bloom": ("bloom", dict(hidden_size=96, n_layer=2, n_head=6, vocab_size=1024)),
     "tiny-opt": ("opt", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
@@ -63,6 +64,7 @@ PRESETS = {
     "tiny-llama": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, intermediate_size=128, vocab_size=1024,
                                  max_position_embeddings=128)),
+    "tiny-gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1024, n_positions=1024)),
     "tiny-neox": ("gpt_neox", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    intermediate_size=128, vocab_size=1024, rotary_pct=0.25,
                                    max_position_embeddings=128)),
@@ -88,12 +90,12 @@ PAD, EOS = 0, 1
 
 def build(preset: str, dtype, std=None):
     """Random-init HF causal LM of the preset's shape, created on the GPU in `dtype`."""
-    from transformers import (BloomConfig, BloomForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM,
-                              LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM)
+    from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
+                              GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM)
     kind, cfg = PRESETS[preset]
     cls, conf = {"bloom": (BloomForCausalLM, BloomConfig), "opt": (OPTForCausalLM, OPTConfig),
                  "llama": (LlamaForCausalLM, LlamaConfig),
-                 "gpt_neox": (GPTNeoXForCausalLM, GPTNeoXConfig)}[kind]
+                 "gpt_neox": (GPTNeoXForCausalLM, GPTNeoXConfig), "gpt2": (GPT2LMHeadModel, GPT2Config)}[kind]
     config = conf(**cfg, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2)
     if std is not None:
         setattr(config, "init_std" if kind == "opt" else "initializer_range", std)
@@ -458,7 +460,8 @@ def main():
         plan = [("tiny-bloom", fp32, 4, nums, True, True, None), ("tiny-bloom", fp32, 4, ["fast"], True, False, 0.5),
                 ("tiny-opt", fp32, 3, ["fast"], True, False, None),
                 ("tiny-llama", fp32, 2, ["fast"], True, False, None),
-                ("tiny-neox", fp32, 2, ["fast"], True, False, None)]
+                ("tiny-neox", fp32, 2, ["fast"], True, False, None),
+                ("tiny-gpt2", fp32, 2, ["fast"], True, False, None)]
     elif args.plan == "tune":
         plan = [("bloom-560m", bf16, 16, nums, True, True, None),
                 ("bloom-7b1", bf16, 16, nums, True, True, None)]

@@ -116,6 +116,7 @@ _FAMILIES = [
         extra_pre=("transformer.wpe",), pad_fallback="eos",
         dropout_keys=("resid_pdrop", "embd_pdrop", "attn_pdrop"),
         lora_targets=("c_attn", "c_proj", "c_fc"),
+        fast_decode="gpt2",
     ),
 ]
 

@@ -65,6 +65,8 @@ MODELS = {
     "gpt_neox": lambda: _neox(),
     "gpt_neox-serial-nobias": lambda: _neox(use_parallel_residual=False, attention_bias=False,
                                             rotary_pct=0.5, hidden_act="gelu_new"),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4,
+                                               n_positions=64, initializer_range=0.3)),
 }
 
 
@@ -110,7 +112,7 @@ def test_greedy_matches_hf_with_eos(name):
     assert (ref[0, P + 4:] == PAD).all()
 
 
-@pytest.mark.parametrize("name", ["bloom-6heads", "opt", "llama-gqa", "gpt_neox"])
+@pytest.mark.parametrize("name", ["bloom-6heads", "opt", "llama-gqa", "gpt_neox", "gpt2"])
 def test_step_logits_match_hf_forward(name):
     model = make(name)
     ids, mask = prompts(B=4)
@@ -120,7 +122,7 @@ def test_step_logits_match_hf_forward(name):
     out = fg.generate(ids, mask, max_new_tokens=T, eos_token_id=None, pad_token_id=PAD)
     full = torch.cat([mask, torch.ones(4, T, dtype=torch.long)], 1)
     pos = None
-    if name.startswith("llama"):
+    if not name.startswith(("bloom", "opt")):     # they derive positions from the mask themselves
         pos = (full.cumsum(-1) - 1).masked_fill(full == 0, 1)
     ref = model(out, attention_mask=full, position_ids=pos).logits
     for step in range(T):
@@ -150,7 +152,7 @@ def test_min_new_tokens_and_eos_list_match_hf():
     assert not torch.isin(out[:, P:P + 5], torch.tensor(eos)).any()
 
 
-@pytest.mark.parametrize("name", ["bloom-6heads", "opt", "llama-gqa", "gpt_neox"])
+@pytest.mark.parametrize("name", ["bloom-6heads", "opt", "llama-gqa", "gpt_neox", "gpt2"])
 def test_refill_in_place_then_refresh(name):
     model, other = make(name, seed=0), make(name, seed=1)
     ids, mask = prompts()
@@ -231,8 +233,14 @@ def test_supported_configs():
     assert fast_decode_supported(make("bloom-6heads"))
     assert fast_decode_supported(make("llama-gqa"))
     assert fast_decode_supported(make("gpt_neox"))
-    assert not fast_decode_supported(GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=1,
-                                                                n_head=2)))
+    assert fast_decode_supported(make("gpt2"))
+    per_layer = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2,
+                                           scale_attn_by_inverse_layer_idx=True))
+    assert "per layer" in fast_decode_unsupported_reason(per_layer)
+    # a learned position table must hold prompt + answer
+    assert "position table (64)" in fast_decode_unsupported_reason(make("gpt2"), max_total_len=65)
+    assert "position table (64)" in fast_decode_unsupported_reason(make("opt"), max_total_len=65)
+    assert fast_decode_supported(make("opt"), max_total_len=64)
     windowed = MistralForCausalLM(_llama_cfg(MistralConfig, sliding_window=8))
     assert "sliding window" in fast_decode_unsupported_reason(windowed, max_total_len=32)
     assert fast_decode_supported(windowed, max_total_len=8)
@@ -266,7 +274,8 @@ def test_cuda_graph_matches_eager_and_hf(pdl, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["opt", "llama-gqa", "qwen2-bias", "gpt_neox", "gpt_neox-serial-nobias"])
+@pytest.mark.parametrize("name", ["opt", "llama-gqa", "qwen2-bias", "gpt_neox", "gpt_neox-serial-nobias",
+                                  "gpt2"])
 def test_cuda_graph_every_family_matches_hf(name):
     """The other families' blocks through the captured step (Triton attention, fused K/V
     write where the block has it, tuned linears): fp32 greedy tokens equal HF's."""

@@ -185,7 +185,7 @@ def test_zero3_families_lora_full_layered_hooks(tmp_path):
             tag = f"rank{rank} {c['family']} lora={c['lora']}"
             assert "error" not in c, c.get("error")
             assert c["partitioned"] and c["paths"] == {"full": "full", "layered": "layered", "off": "hooks"}, tag
-            assert c["fast_used"] == (c["family"] in ("bloom", "opt", "llama", "gpt_neox")), tag
+            assert c["fast_used"], tag        # every registry family has a fast decode block
             for mode in ("full", "layered", "off", "fast"):
                 assert c[f"equal_{mode}"], f"{tag}: {mode} != HF generate"
                 assert c["eos_stop"][mode], f"{tag}: {mode} with ranks stopping at different steps"

@@ -29,7 +29,7 @@ How a generate call runs:
   HF's op order above (H200 measurements in benchmarks/RESULTS_decode.md); Bloom's prompt
   runs in HF's eager op order, so the first token's logits equal HF's.
 
-Per-family math (Bloom, OPT, LLaMA / Mistral / Qwen2, GPT-NeoX) lives in `_DecodeBlock`
+Per-family math (Bloom, OPT, GPT-2, LLaMA / Mistral / Qwen2, GPT-NeoX) lives in `_DecodeBlock`
 subclasses registered under the registry's
 `fast_decode` key. `fast_decode_supported(model)` says whether a model can use this path;
 where it cannot, callers use HF `generate`.
@@ -442,6 +442,14 @@ class _OPTBlock(_DecodeBlock):
     """OPT: learned positions (offset 2, from the mask cumsum), pre- or post-LN layers,
     optional project_in/out; Q/K/V fused into one derived weight when fuse_qkv."""
 
+    @classmethod
+    def unsupported_reason(cls, model, config, max_total_len):
+        # a learned position table: prompt + answer must fit it (past it HF's lookup fails too)
+        n_pos = getattr(config, "max_position_embeddings", None)
+        if max_total_len is not None and n_pos is not None and max_total_len > n_pos:
+            return f"prompt + answer ({max_total_len}) longer than the position table ({n_pos})"
+        return None
+
     def bind(self):
         c, fam = self.config, self.fam
         self.n_heads = self.n_kv_heads = c.num_attention_heads
@@ -714,6 +722,59 @@ class _LlamaBlock(_DecodeBlock):
             q = qk[:, :Hq].view(B, Hkv, Hq // Hkv, D)
             return _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl, pos)
         return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
+
+
+@register_block("gpt2")
+class _GPT2Block(_OPTBlock):
+    """GPT-2: OPT's decode math (learned positions, pre-LN, a [3, H, D] QKV) over Conv1D
+    weights ([in, out], read through transposed views: cuBLAS, no copies), positions from
+    the mask cumsum as HF generate builds them, no offset."""
+
+    @classmethod
+    def unsupported_reason(cls, model, config, max_total_len):
+        if getattr(config, "add_cross_attention", False):
+            return "cross-attention layers"
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+            return "attention scaled per layer (scale_attn_by_inverse_layer_idx)"
+        return super().unsupported_reason(model, config, max_total_len)
+
+    def bind(self):
+        c, fam = self.config, self.fam
+        self.n_heads = self.n_kv_heads = c.num_attention_heads
+        self.bias_heads = 1
+        self.hidden = c.hidden_size
+        self.head_dim = c.hidden_size // c.num_attention_heads
+        self.pre_ln = True
+        self.fuse_qkv = True                    # c_attn is one Conv1D already: nothing derived
+        self.embed = self.part(fam.embed_tokens).weight
+        self.pos_table, self.pos_offset = self.part(fam.extra_pre[0]).weight, 0
+        self.project_in = self.project_out = None
+        fin = self.part(fam.final_norm)
+        self.ln_f = (fin.weight, fin.bias, fin.eps)
+        self.head = self.part(fam.lm_head).weight
+        self.layers = []
+        for blk in self.part(fam.blocks):
+            at, mlp = blk.attn, blk.mlp
+            conv = lambda m: (m.weight.t(), m.bias)     # noqa: E731  y = x @ W + b
+            self.layers.append(dict(
+                qkv=conv(at.c_attn), o=conv(at.c_proj), fc1=conv(mlp.c_fc), fc2=conv(mlp.c_proj),
+                ln1=(blk.ln_1.weight, blk.ln_1.bias, blk.ln_1.eps),
+                ln2=(blk.ln_2.weight, blk.ln_2.bias, blk.ln_2.eps), act=mlp.act))
+        self.n_layers = len(self.layers)
+        self.vocab = self.head.shape[0]
+        self.scale = self.head_dim ** -0.5 if c.scale_attn_weights else 1.0
+
+    def rebuild(self):
+        pass
+
+    def tensors(self):
+        out = [self.embed, self.pos_table, self.head, *self.ln_f[:2]]
+        for lay in self.layers:
+            for key in ("qkv", "o", "ln1", "ln2", "fc1", "fc2"):
+                out += [t for t in lay[key] if isinstance(t, torch.Tensor)]
+        return out
+
+    prompt_positions = _LlamaBlock.prompt_positions
 
 
 @register_block("gpt_neox")

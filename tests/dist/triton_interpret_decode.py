@@ -114,6 +114,8 @@ CONFIGS = {
     # partial rotary, parallel residual; q and the new K/V read from the QKV output in place
     "gpt_neox": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=128, rotary_pct=0.25, initializer_range=0.5),
+    # Conv1D weights read through transposed views (the linears stay in PyTorch)
+    "gpt2": dict(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5),
 }
 for family, kwargs in CONFIGS.items():
     cfg = AutoConfig.for_model(family, **kwargs)
