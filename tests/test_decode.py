@@ -308,7 +308,7 @@ def test_triton_kernels_match_reference(monkeypatch):
         # libdevice tanhf vs PyTorch's tanh: 99.47% of bf16 outputs equal on the H200
         assert same > 0.99, f"HF-order GELU kernel matches HF's eager ops on {same:.4%}"
         for B, Hkv, G, D, L, Hb in [(16, 16, 1, 64, 512, 16), (4, 8, 4, 128, 320, 1),
-                                     (16, 32, 1, 128, 512, 32)]:
+                                     (16, 32, 1, 128, 512, 32), (2, 4, 1, 80, 256, 4)]:
             kv = torch.randn(B, Hkv, L, 2, D, device="cuda", generator=g).to(dtype)
             q = torch.randn(B, Hkv, G + 1, D, device="cuda", generator=g).to(dtype)[:, :, :G]
             kb = torch.randn(B, Hb, L, device="cuda", generator=g).to(dtype)
@@ -377,6 +377,30 @@ def test_programmatic_dependent_launch_only_on_hopper_cuda(monkeypatch):
     assert not dt._cuda_at_least(12, 3)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     assert dt._cuda_at_least(12, 3)
+
+
+def test_head_dim_not_a_power_of_two(monkeypatch):
+    """bloom-3b and pythia-2.8b have head_dim 80 (gpt-neox-20b 96): the Triton decode
+    attention spans head_dim in one power-of-two block, so such models decode with baddbmm,
+    and the kernel's entry point answers with the reference instead of failing to compile."""
+    from dschat.engine import decode_triton as dt
+    from dschat.engine.decode import _DecodeBlock
+    assert _DecodeBlock.default_attention(80, "fast", True) == "bmm"
+    assert _DecodeBlock.default_attention(96, "fast", True) == "bmm"
+    assert _DecodeBlock.default_attention(64, "fast", True) == "triton"
+    assert _DecodeBlock.default_attention(128, "fast", True) == "triton"
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(2, 3, 1, 80, generator=g), torch.randn(2, 3, 32, 2, 80, generator=g)
+    kb, pos = torch.zeros(2, 1, 32), torch.tensor([20])
+    # as in the interpreter, where CPU tensors would otherwise reach the kernel
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.testing.assert_close(dt.decode_attention(q, kv, kb, pos, 0.1),
+                               dt.decode_attention_ref(q, kv, kb, pos, 0.1))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    model = _bloom(n_head=2, hidden=160)                   # head_dim 80
+    ids, mask = prompts()
+    assert torch.equal(fast(model).generate(ids, mask, max_new_tokens=T, eos_token_id=None, pad_token_id=PAD),
+                       hf_generate(model, ids, mask, eos_token_id=None))
 
 
 def test_l2_prefetch_lengths():

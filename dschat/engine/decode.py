@@ -249,7 +249,9 @@ class _DecodeBlock:
         tensor-core variant, decode_triton.ATTN_DOT); baddbmm otherwise and
         for numerics="hf" (HF's exact op order). cuDNN SDPA did not reproduce seeded
         sampling through graphs (RESULTS_decode.md)."""
-        if numerics == "fast" and use_triton and head_dim <= 128:
+        # the Triton kernel spans head_dim in one power-of-two block (bloom-3b and pythia-2.8b
+        # have 80, gpt-neox-20b 96: baddbmm)
+        if numerics == "fast" and use_triton and head_dim <= 128 and head_dim & (head_dim - 1) == 0:
             return "triton"
         return "bmm"
 

@@ -516,6 +516,8 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     fallback = triton is None or (q.device.type != "cuda" and not _interpreting())
     B, Hkv, G, D = q.shape
     L = kv.shape[2]
+    if D & (D - 1):                            # one power-of-two block spans head_dim
+        fallback = True
     if not fallback and (q.stride(-1) != 1 or kv.stride(-1) != 1 or kv.stride(3) != D
                          or key_bias.stride(-1) != 1):
         fallback = True
