@@ -62,3 +62,15 @@ def test_kernel_sweeps_run_in_the_triton_interpreter(tmp_path, script, stem, tol
     rows = json.loads((tmp_path / f"{stem}_results.json").read_text())
     assert len(rows) >= 3 and not any("error" in r for r in rows), rows
     assert all(r["err"] <= tol for r in rows), rows
+
+
+def test_decode_bench_smoke_every_family(tmp_path):
+    """decode_bench.py's CPU plan: a tiny model of every family with a fast decode block,
+    fp32, fast path token-identical to HF generate (256 forced tokens)."""
+    run_python(REPO / "benchmarks" / "decode_bench.py",
+               ["--plan", "smoke", "--numerics", "fast", "--profile", "", "--out", tmp_path], timeout=600)
+    rows = json.loads((tmp_path / "decode_results.json").read_text())
+    assert {r["preset"] for r in rows} == {"tiny-bloom", "tiny-opt", "tiny-llama", "tiny-neox", "tiny-gpt2"}
+    for r in rows:
+        assert "error" not in r, r
+        assert r["frac_identical"] == 1.0 and r["mean_first_divergence"] == 256.0, r
