@@ -128,6 +128,9 @@ CASES = {
                     ["must be a multiple of --per_device_training_batch_size (3)",
                      "--offload_reference_model needs the reference model at ZeRO-3", "--actor_lora_module_name needs",
                      "--top_p must be in (0, 1]", "--min_answer_seq_len 9 exceeds", "--unpin_actor_parameters needs"]),
+    # the tiny OPT has 512 learned positions
+    "longer_than_positions": (1, lambda p, o: step1(p, o, "--max_seq_len", "600", model=p["opt"]),
+                              ["--max_seq_len = 600", "position table", "opt: 512 learned positions"]),
     "fp16_on_cpu": (1, lambda p, o: step1(p, o, "--dtype", "fp16"), ["--dtype fp16", "needs a GPU"]),
     "output_is_the_input_model": (1, lambda p, o: step1(p, p["bloom"]),
                                   ["--output_dir", "would overwrite its own input model"]),
@@ -195,3 +198,18 @@ def test_resume_without_checkpoints_is_a_fresh_start(outcomes):
     r = outcomes[0]["resume_fresh"]
     assert r["rc"] == 0, r["stderr"][-3000:]
     assert "--resume: no complete checkpoint" in r["stdout"] and "starting from scratch" in r["stdout"]
+
+
+def test_learned_position_tables_bound_the_sequence():
+    """Step 3 checks prompt + answer against the actor's and critic's position tables; only
+    families with learned positions have one (ALiBi and rotary ones do not)."""
+    from dschat.utils.validate import _fits_positions
+    flags = "--max_prompt_seq_len + --max_answer_seq_len"
+    got = _fits_positions(str(REPO / "configs/tiny/opt.json"), 513, flags, "actor_model_name_or_path")
+    assert len(got) == 1 and "= 513" in got[0] and "opt: 512 learned positions" in got[0]
+    assert _fits_positions(str(REPO / "configs/tiny/opt.json"), 512, flags, "actor_model_name_or_path") == []
+    gpt2 = _fits_positions(str(REPO / "configs/tiny/gpt2.json"), 10 ** 6, flags, "critic_model_name_or_path")
+    assert len(gpt2) == 1 and "--critic_model_name_or_path" in gpt2[0]
+    for family in ("bloom", "llama", "gpt_neox"):
+        assert _fits_positions(str(REPO / f"configs/tiny/{family}.json"), 10 ** 6, flags, "x") == []
+    assert _fits_positions("org/hub-name", 10 ** 6, flags, "x") == []      # nothing fetched

@@ -141,12 +141,35 @@ def sft_problems(args) -> list[str]:
     return out
 
 
+def _fits_positions(path: str | None, length: int, flags: str, owner: str) -> list[str]:
+    """A learned position table (OPT, GPT-2) must hold the longest sequence a step feeds;
+    past it HF's position lookup fails deep inside the forward. Local models only (their
+    config.json is read; nothing is loaded)."""
+    from dschat.models.model_utils import load_config
+    from dschat.registry import get_family
+
+    if not path or not os.path.exists(os.path.expanduser(path)):
+        return []                  # hub names load later; missing paths are reported elsewhere
+    try:
+        config = load_config(os.path.expanduser(path))
+        learned = get_family(config.model_type).position == "learned"
+    except (UserInputError, ValueError, OSError):
+        return []                  # reported by the path checks or when the model loads
+    n = getattr(config, "max_position_embeddings", None)
+    if not learned or n is None or length <= n:
+        return []
+    return [f"{flags} = {length} is longer than the position table of --{owner} {path} "
+            f"({config.model_type}: {n} learned positions); lower it"]
+
+
 def step1_problems(args) -> list[str]:
-    return sft_problems(args)
+    return sft_problems(args) + _fits_positions(args.model_name_or_path, args.max_seq_len, "--max_seq_len",
+                                                "model_name_or_path")
 
 
 def step2_problems(args) -> list[str]:
-    out = sft_problems(args)
+    out = sft_problems(args) + _fits_positions(args.model_name_or_path, args.max_seq_len, "--max_seq_len",
+                                               "model_name_or_path")
     if args.num_padding_at_beginning is not None and args.num_padding_at_beginning < 0:
         out.append(f"--num_padding_at_beginning must be >= 0, got {args.num_padding_at_beginning}")
     return out
@@ -220,6 +243,9 @@ def step3_problems(args) -> list[str]:
             if _same_path(Path(args.output_dir) / sub, path) or _same_path(args.output_dir, path):
                 out.append(f"--output_dir {args.output_dir} would overwrite --{flag} {path} "
                            f"(the run writes {sub}/ there); pick another --output_dir")
+    total = args.max_prompt_seq_len + args.max_answer_seq_len
+    for owner in ("actor_model_name_or_path", "critic_model_name_or_path"):
+        out += _fits_positions(getattr(args, owner), total, "--max_prompt_seq_len + --max_answer_seq_len", owner)
     if _missing_local(args.unsupervised_dataset_name):
         out.append(f"--unsupervised_dataset_name {args.unsupervised_dataset_name}: no such file or folder")
     out += _data_split(args) + _data_paths(args)
