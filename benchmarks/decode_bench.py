@@ -47,6 +47,7 @@ PRESETS = {
     "bloom-560m": ("bloom", dict(hidden_size=1024, n_layer=24, n_head=16, vocab_size=250880)),
     "bloom-1b7": ("bloom", dict(hidden_size=2048, n_layer=24, n_head=16, vocab_size=250880)),
     "bloom-7b1": ("bloom", dict(hidden_size=4096, n_layer=30, n_head=32, vocab_size=250880)),
+    "bloom-3b": ("bloom", dict(hidden_size=2560, n_layer=30, n_head=32, vocab_size=250880)),   # head_dim 80
     "opt-1.3b": ("opt", dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
                              ffn_dim=8192, vocab_size=50272, max_position_embeddings=2048,
                              word_embed_proj_dim=2048)),
@@ -182,14 +183,15 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     # "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": decode_triton.ATTN_DOT;
     # "pdl0" .. "pdl3": decode_triton.PDL (programmatic dependent launch); "pf<KiB>" /
     # "pfl<KiB>" / "pfa<KiB>": mode 3's L2 prefetch per program, linears and attention /
-    # linears (decode_triton.PDL_PREFETCH) / attention (PDL_PREFETCH_ATTN); "m100": a
+    # linears (decode_triton.PDL_PREFETCH) / attention (PDL_PREFETCH_ATTN); "padhd": the
+    # Triton attention at head dims that are not a power of two (ATTN_PAD_HEAD_DIM); "m100": a
     # Triton linear is picked whenever it times faster than cuBLAS (default margin 3%)
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
     saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
              dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
-             dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN)
+             dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN, dtr.ATTN_PAD_HEAD_DIM)
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -211,6 +213,8 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr.TRITON_ARGMAX = False
         if f in ("dot", "nodot"):   # tensor-core dots in the Triton decode attention or not
             dtr.ATTN_DOT = f == "dot"
+        if f == "padhd":
+            dtr.ATTN_PAD_HEAD_DIM = True
         if f in ("pdl0", "pdl1", "pdl2", "pdl3"):
             dtr.PDL = int(f[3])
         for pre, names in (("pf", ("PDL_PREFETCH", "PDL_PREFETCH_ATTN")), ("pfl", ("PDL_PREFETCH",)),
@@ -226,7 +230,7 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     finally:
         (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
          dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
-         dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN) = saved
+         dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN, dtr.ATTN_PAD_HEAD_DIM) = saved
         if any(f.startswith("m") and f[1:].isdigit() for f in flags):
             dtr._CHOICE.clear()
 

@@ -279,6 +279,11 @@ ATTN_DOT: "bool | None" = None
 # bloom-560m bf16: 1.311 vs 1.382 ms/step at batch 16, 2.174 vs 2.210 at batch 64
 # (benchmarks/RESULTS_decode.md, run 4).
 FUSE_KV_WRITE = True
+# Head dims that are not a power of two (bloom-3b and pythia-2.8b: 80, gpt-neox-20b: 96): the
+# kernel spans head_dim in one block of the next power of two with the extra lanes masked.
+# Checked in Triton's CPU interpreter only; off (such models decode with baddbmm) until
+# timed and checked on a GPU (tests/test_decode.py's kernel test has a head_dim-80 shape).
+ATTN_PAD_HEAD_DIM = False
 
 
 def decode_attention_ref(q, kv, key_bias, pos, scale: float):
@@ -299,16 +304,25 @@ def decode_attention_ref(q, kv, key_bias, pos, scale: float):
 if triton is not None:
 
     @triton.jit
+    def _lanes(mask, offs_d, D: tl.constexpr, DP: tl.constexpr):
+        """mask [X, 1 or DP] restricted to the D real head_dim lanes of DP (a power of two);
+        unchanged (so the same code as before) where D is a power of two."""
+        if DP != D:
+            mask = mask & (offs_d[None, :] < D)
+        return mask
+
+    @triton.jit
     def _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale, skv_l, gmask, offs_d,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr, DOT: tl.constexpr,
-                    INTERP: tl.constexpr):
+                    INTERP: tl.constexpr, DP: tl.constexpr):
         """Online-softmax update with keys n0 .. n0+BLOCK_N (those < end). q [GP, D] in the
         cache dtype when DOT (tensor-core dots; GP >= 16 rows, the padding rows zero), else fp32."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        k = tl.load(kv_base + offs_n[:, None] * skv_l + offs_d[None, :], mask=valid[:, None], other=0.0)
+        kmask = _lanes(valid[:, None], offs_d, D, DP)
+        k = tl.load(kv_base + offs_n[:, None] * skv_l + offs_d[None, :], mask=kmask, other=0.0)
         v = tl.load(kv_base + offs_n[:, None] * skv_l + D + offs_d[None, :],
-                    mask=valid[:, None], other=0.0).to(tl.float32)
+                    mask=kmask, other=0.0).to(tl.float32)
         if DOT:
             # bf16/fp16 q.K^T with fp32 accumulation (exact products), then p.V in TF32
             if INTERP:                # Triton's CPU interpreter gets bf16 dots wrong (3.9)
@@ -337,13 +351,13 @@ if triton is not None:
 
     @triton.jit
     def _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, bh, Hkv, G: tl.constexpr, GP: tl.constexpr,
-                        D: tl.constexpr, SPLITS: tl.constexpr):
+                        D: tl.constexpr, SPLITS: tl.constexpr, DP: tl.constexpr):
         """out[b, h] = the softmax-weighted merge of the SPLITS partials of program row bh."""
         b = bh // Hkv
         h = bh % Hkv
         offs_s = tl.arange(0, SPLITS)
         offs_g = tl.arange(0, GP)
-        offs_d = tl.arange(0, D)
+        offs_d = tl.arange(0, DP)
         rows = (bh * SPLITS + offs_s[:, None]) * GP + offs_g[None, :]        # [S, GP]
         # .cg: read from L2, where the other programs' partials landed (never a stale L1 line)
         m = tl.load(m_ptr + rows, cache_modifier=".cg")
@@ -351,10 +365,14 @@ if triton is not None:
         m_max = tl.max(m, axis=0)                                           # [GP]
         w = tl.exp(m - m_max[None, :])                                       # empty splits: 0
         denom = tl.sum(w * l, axis=0)
-        acc = tl.load(acc_ptr + rows[:, :, None] * D + offs_d[None, None, :], cache_modifier=".cg")
+        a_ptr = acc_ptr + rows[:, :, None] * D + offs_d[None, None, :]
+        if DP != D:
+            acc = tl.load(a_ptr, mask=(offs_d < D)[None, None, :], other=0.0, cache_modifier=".cg")
+        else:
+            acc = tl.load(a_ptr, cache_modifier=".cg")
         out = tl.sum(w[:, :, None] * acc, axis=0) / denom[:, None]
         o_ptr = out_ptr + b * (Hkv * G * D) + (h * G + offs_g[:, None]) * D + offs_d[None, :]
-        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=(offs_g < G)[:, None])
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=_lanes((offs_g < G)[:, None], offs_d, D, DP))
 
     @triton.jit
     def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, new_ptr,
@@ -364,7 +382,7 @@ if triton is not None:
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
                            FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr, DOT: tl.constexpr,
                            GS: tl.constexpr, PDL: tl.constexpr, PF_N: tl.constexpr,
-                           LINE: tl.constexpr):
+                           LINE: tl.constexpr, DP: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
@@ -375,7 +393,7 @@ if triton is not None:
             # previous step): ask L2 for this program's first PF_N of them before waiting
             last = tl.maximum(tl.load(pos_ptr) - 1, 0)
             slots = tl.minimum(start + tl.arange(0, PF_N), last)
-            _l2_prefetch_rows(kv_ptr + b * skv_b + h * skv_h, slots, skv_l, 0, 2 * D, 2 * D, LINE)
+            _l2_prefetch_rows(kv_ptr + b * skv_b + h * skv_h, slots, skv_l, 0, 2 * D, 2 * DP, LINE)
         _pdl_enter(PDL)
         n_keys = tl.load(pos_ptr) + 1                 # slots 0..pos, read on the device
         if FUSED:                                     # slot pos comes from new_ptr, below
@@ -383,16 +401,16 @@ if triton is not None:
         else:
             end = tl.minimum(start + chunk, n_keys)
         offs_g = tl.arange(0, GP)
-        offs_d = tl.arange(0, D)
+        offs_d = tl.arange(0, DP)                    # DP: head_dim D padded to a power of two
         gmask = offs_g < G
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
         kv_base = kv_ptr + b * skv_b + h * skv_h
         # per-head bias row: query head h*G+g (sb_h is 0 where the bias is shared by heads)
         b_base = bias_ptr + b * sb_b + (h * G + offs_g) * sb_h
         q_in = tl.load(q_ptr + b * sq_b + h * sq_h + offs_g[:, None] * sq_g + offs_d[None, :],
-                       mask=gmask[:, None], other=0.0)
+                       mask=_lanes(gmask[:, None], offs_d, D, DP), other=0.0)
         q = q_in.to(tl.float32)
         qb = q_in if DOT else q                       # the dot's operand: the cache dtype
         p = n_keys - 1
@@ -413,12 +431,12 @@ if triton is not None:
             n0 = start
             while n0 < end:
                 m_i, l_i, acc = _attn_block(qb, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
-                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE)
+                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE, DP)
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _attn_block(qb, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
-                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE)
+                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE, DP)
         if FUSED:
             if own_new:
                 s_new = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1) * scale + kb_new
@@ -431,7 +449,7 @@ if triton is not None:
         if SPLITS == 1:
             out = acc / l_i[:, None]
             o_ptr = out_ptr + b * (Hkv * G * D) + (h * G + offs_g[:, None]) * D + offs_d[None, :]
-            tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+            tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=_lanes(gmask[:, None], offs_d, D, DP))
         else:
             # partials of the GS (G rounded up to a power of two) rows the combine reads; the
             # dot path's padding rows beyond them are dropped
@@ -439,22 +457,23 @@ if triton is not None:
             smask = offs_g < GS
             tl.store(m_ptr + row + offs_g, m_i, mask=smask)
             tl.store(l_ptr + row + offs_g, l_i, mask=smask)
-            tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc, mask=smask[:, None])
+            tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc,
+                     mask=_lanes(smask[:, None], offs_d, D, DP))
             if INLINE_COMBINE:
                 # every thread's partial stores precede the arrival (barrier, then the
                 # atomic's release at GPU scope); the last arrival merges and re-arms the counter
                 tl.debug_barrier()
                 arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
                 if arrived == SPLITS - 1:
-                    _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, bh, Hkv, G, GS, D, SPLITS)
+                    _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, bh, Hkv, G, GS, D, SPLITS, DP)
                     tl.atomic_xchg(count_ptr + bh, 0)
 
     @triton.jit
     def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, Hkv,
                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                             SPLITS: tl.constexpr, PDL: tl.constexpr):
+                             SPLITS: tl.constexpr, PDL: tl.constexpr, DP: tl.constexpr):
         _pdl_enter(PDL)
-        _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0), Hkv, G, GP, D, SPLITS)
+        _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0), Hkv, G, GP, D, SPLITS, DP)
 
 
 def _splits(B: int, Hkv: int, L: int, block_n: int, programs: int = 1024) -> int:
@@ -516,7 +535,7 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     fallback = triton is None or (q.device.type != "cuda" and not _interpreting())
     B, Hkv, G, D = q.shape
     L = kv.shape[2]
-    if D & (D - 1):                            # one power-of-two block spans head_dim
+    if D & (D - 1) and not ATTN_PAD_HEAD_DIM:  # one power-of-two block spans head_dim
         fallback = True
     if not fallback and (q.stride(-1) != 1 or kv.stride(-1) != 1 or kv.stride(3) != D
                          or key_bias.stride(-1) != 1):
@@ -558,13 +577,14 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         q, kv, key_bias, pos, out, m, l, acc, new, count, Hkv, chunk, float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
-        G=G, GP=GP, D=D, BLOCK_N=bn,
+        G=G, GP=GP, D=D, DP=triton.next_power_of_2(D), BLOCK_N=bn,
         SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
         PDL=pdl, PF_N=pf_n, LINE=line,
         num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages,
         **_pdl_launch(pdl))
     if S > 1 and not inline:
         _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GS, D=D, SPLITS=S, PDL=pdl,
+                                         DP=triton.next_power_of_2(D),
                                          num_warps=4, **_pdl_launch(pdl))
     return out
 

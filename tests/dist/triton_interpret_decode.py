@@ -4,6 +4,8 @@ against the PyTorch reference (cache contents and outputs), the fused add+norm, 
 linear, then FastGenerator with the Triton attention (and, for Bloom, the Triton linears)
 against HF generate (fp32 tokens); the split-K linear summed by the add+norm kernel and
 the two-kernel argmax."""
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,45 @@ def check_attention(configs):
 
 
 check_attention(ALL_ATTN)
+
+
+def _no_reference(*args, **kwargs):
+    raise AssertionError("decode_attention fell back to the PyTorch reference")
+
+
+def check_padded_head_dim():
+    """Head dims that are not a power of two (ATTN_PAD_HEAD_DIM: one block of the next power
+    of two, extra lanes masked), through the kernel itself (the reference is disabled while it
+    runs): plain, split (combine kernel and inline combine), fused K/V write, grouped queries."""
+    dt.ATTN_PAD_HEAD_DIM = True
+    ref, write = dt.decode_attention_ref, dt.write_kv_ref
+    for (S, inline, dot), (B, Hkv, G, D, L, Hb) in itertools.product(
+            ((1, False, False), (2, False, False), (2, True, False), (2, True, True)),
+            ((2, 3, 1, 24, 150, 3), (2, 2, 4, 40, 130, 1))):
+        dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = S, inline, dot
+        for p in (0, 64, L - 1):
+            kv = torch.randn(B, Hkv, L, 2, D, generator=gen)
+            q = torch.randn(B, Hkv, G, D, generator=gen)
+            new = torch.randn(B, Hkv, 3, D, generator=gen)[:, :, 1:3]
+            kb = torch.randn(B, Hb, L, generator=gen)
+            pos = torch.tensor([p])
+            kv_ref = kv.clone()
+            write(kv_ref, new, pos)
+            want_plain, want_fused = ref(q, kv, kb, pos, 0.1), ref(q, kv_ref, kb, pos, 0.1)
+            dt.decode_attention_ref = dt.write_kv_ref = _no_reference
+            try:
+                got_plain = dt.decode_attention(q, kv, kb, pos, 0.1)
+                kv_fused = kv.clone()
+                got_fused = dt.decode_attention(q, kv_fused, kb, pos, 0.1, new_kv=new)
+            finally:
+                dt.decode_attention_ref, dt.write_kv_ref = ref, write
+            torch.testing.assert_close(got_plain, want_plain, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got_fused, want_fused, atol=1e-5, rtol=1e-5)
+            assert torch.equal(kv_fused, kv_ref), ("padded fused K/V write", S, D, p)
+    dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT, dt.ATTN_PAD_HEAD_DIM = None, False, None, False
+
+
+check_padded_head_dim()
 for rms in (False, True):
     y, r, w, b = torch.randn(4, 96, generator=gen), torch.randn(4, 96, generator=gen), \
         torch.randn(96, generator=gen), torch.randn(96, generator=gen)
@@ -114,11 +155,14 @@ CONFIGS = {
     # partial rotary, parallel residual; q and the new K/V read from the QKV output in place
     "gpt_neox": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=128, rotary_pct=0.25, initializer_range=0.5),
+    # head_dim 20, not a power of two: decoded with ATTN_PAD_HEAD_DIM on (see the loop)
+    "bloom-hd20": dict(vocab_size=300, hidden_size=40, n_layer=2, n_head=2, initializer_range=0.5),
     # Conv1D weights read through transposed views (the linears stay in PyTorch)
     "gpt2": dict(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5),
 }
 for family, kwargs in CONFIGS.items():
-    cfg = AutoConfig.for_model(family, **kwargs)
+    dt.ATTN_PAD_HEAD_DIM = family.endswith("hd20")
+    cfg = AutoConfig.for_model(family.split("-")[0], **kwargs)
     cfg.pad_token_id, cfg.eos_token_id = 0, 1
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
@@ -161,4 +205,5 @@ for family, kwargs in CONFIGS.items():
     assert torch.equal(outs[True][0], want) and torch.equal(outs[False][0], want), family
     assert len(set(want[:, 12:].flatten().tolist())) > 3, "degenerate continuation"
 dt.FUSE_KV_WRITE, dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = False, None, False, None
+dt.ATTN_PAD_HEAD_DIM = False
 print("OK")
