@@ -299,6 +299,11 @@ class _DecodeBlock:
         """Position ids of the prompt tokens [B, P] (families without ids return None)."""
         return None
 
+    @staticmethod
+    def _ln(x, ln):
+        """LayerNorm with ln = (weight, bias, eps)."""
+        return F.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
+
     def norms(self, x):
         """The fused add+norm for this tensor (the Triton one only for 2-D decode tensors)."""
         return self.add_norm if x.dim() == 2 else add_norm_ref
@@ -373,9 +378,6 @@ class _BloomBlock(_DecodeBlock):
         kpos = (ext_mask.cumsum(-1) - 1) * ext_mask
         alibi = (self.slopes[None, :, None] * kpos[:, None, :].float()).to(self.dtype)
         return alibi.masked_fill((ext_mask == 0)[:, None, :], _min_value(self.dtype))
-
-    def _ln(self, x, ln):
-        return F.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
 
     def _mlp_up(self, h, fc1, exact: bool):
         if exact:                  # HF's bloom_gelu_forward, each intermediate rounded as HF's
@@ -508,9 +510,6 @@ class _OPTBlock(_DecodeBlock):
     def prompt_positions(self, mask):
         return (mask.cumsum(-1) * mask - 1).long()
 
-    def _ln(self, x, ln):
-        return F.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
-
     def _embed(self, ids, pos):
         x = F.embedding(ids, self.embed)
         if self.project_in is not None:
@@ -591,13 +590,21 @@ class _LlamaBlock(_DecodeBlock):
     STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
     @classmethod
-    def unsupported_reason(cls, model, config, max_total_len):
+    def rotary_reason(cls, model) -> Optional[str]:
+        """Why the model's rotary embedding cannot be tabled once per position (None: it can)."""
         rotary = resolve(model, cls._rotary_path(model))
         if rotary is None or not hasattr(rotary, "inv_freq"):
             return "no rotary embedding module with inv_freq"
         rope_type = getattr(rotary, "rope_type", "default")
         if rope_type not in cls.STATIC_ROPE:
             return f"rope type {rope_type!r} changes with sequence length"
+        return None
+
+    @classmethod
+    def unsupported_reason(cls, model, config, max_total_len):
+        reason = cls.rotary_reason(model)
+        if reason is not None:
+            return reason
         window = attention_window(config)
         if window is not None and (max_total_len is None or window < max_total_len):
             return (f"sliding window {window} shorter than prompt + answer "
@@ -788,12 +795,9 @@ class _GPTNeoXBlock(_DecodeBlock):
 
     @classmethod
     def unsupported_reason(cls, model, config, max_total_len):
-        rotary = resolve(model, family_of(model).base_model + ".rotary_emb")
-        if rotary is None or not hasattr(rotary, "inv_freq"):
-            return "no rotary embedding module with inv_freq"
-        rope_type = getattr(rotary, "rope_type", "default")
-        if rope_type not in _LlamaBlock.STATIC_ROPE:
-            return f"rope type {rope_type!r} changes with sequence length"
+        reason = _LlamaBlock.rotary_reason(model)
+        if reason is not None:
+            return reason
         if config.hidden_size % config.num_attention_heads:
             return "hidden_size not divisible by num_attention_heads"
         return None
@@ -810,7 +814,7 @@ class _GPTNeoXBlock(_DecodeBlock):
         fin = self.part(fam.final_norm)
         self.ln_f = (fin.weight, fin.bias, fin.eps)
         self.head = self.part(fam.lm_head).weight
-        rot = resolve(self.model, fam.base_model + ".rotary_emb")
+        rot = resolve(self.model, _LlamaBlock._rotary_path(self.model))
         self.inv_freq = rot.inv_freq
         self.rope_scaling = float(getattr(rot, "attention_scaling", 1.0))
         self.layers = []
@@ -842,9 +846,6 @@ class _GPTNeoXBlock(_DecodeBlock):
         the rest and v pass through): qkv is the QKV linear's own fresh output."""
         qk = qkv[..., 0:2, :self.rot_dims]
         qk.copy_(_LlamaBlock._rope(qk, cos, sin))
-
-    def _ln(self, x, ln):
-        return F.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
 
     def _mlp(self, h, lay):
         return lay["act"](self.lin(h, *lay["fc1"]))

@@ -567,6 +567,7 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     stages = {"num_stages": ATTN_STAGES} if ATTN_STAGES else {}
     count = _arrival_counters(B * Hkv, q.device) if ATTN_INLINE_COMBINE and S > 1 else None
     pdl = _pdl_mode(q.device)
+    DP = triton.next_power_of_2(D)           # head_dim lanes of the kernels' blocks
     line = 128 // kv.element_size()          # elements per 128-byte line; a slot is 2 * D
     pf_n = 0
     if pdl == 3 and PDL_PREFETCH_ATTN > 0:
@@ -577,14 +578,13 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         q, kv, key_bias, pos, out, m, l, acc, new, count, Hkv, chunk, float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
-        G=G, GP=GP, D=D, DP=triton.next_power_of_2(D), BLOCK_N=bn,
+        G=G, GP=GP, D=D, DP=DP, BLOCK_N=bn,
         SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
         PDL=pdl, PF_N=pf_n, LINE=line,
         num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages,
         **_pdl_launch(pdl))
     if S > 1 and not inline:
-        _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GS, D=D, SPLITS=S, PDL=pdl,
-                                         DP=triton.next_power_of_2(D),
+        _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GS, D=D, SPLITS=S, PDL=pdl, DP=DP,
                                          num_warps=4, **_pdl_launch(pdl))
     return out
 
