@@ -331,13 +331,22 @@ def profile_graph(model, ids, mask, path, steps=24):
         trace = json.load(open(f.name))
     fg.release()
     kernels = sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    # the decode steps' kernels: those replayed from a graph where the trace says so, else
-    # those whose count is a multiple of the steps (23, prime: prefill's per-layer kernels
-    # repeat 24, 30 or 32 times)
+    # the decode steps' kernels: those a cudaGraphLaunch started (CUPTI gives them the
+    # launch's correlation id), or those with a graph id where the trace has one, else those
+    # whose count is a multiple of the steps (23, prime: prefill's per-layer kernels repeat
+    # 24, 30 or 32 times; this last rule misses PyTorch's elementwise kernels, whose names
+    # prefill shares)
+    launches = {e.get("args", {}).get("correlation") for e in trace["traceEvents"]
+                if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e.get("name", "")}
+    launches.discard(None)
     graph = [e for e in kernels if int(e.get("args", {}).get("graph id", 0) or 0) > 0]
     count = collections.Counter(e["name"] for e in kernels)
-    decode_kernel = ((lambda e: int(e.get("args", {}).get("graph id", 0) or 0) > 0) if graph else
-                     (lambda e: count[e["name"]] % (steps - 1) == 0))
+    if any(e.get("args", {}).get("correlation") in launches for e in kernels):
+        decode_kernel = lambda e: e.get("args", {}).get("correlation") in launches  # noqa: E731
+    elif graph:
+        decode_kernel = lambda e: int(e.get("args", {}).get("graph id", 0) or 0) > 0  # noqa: E731
+    else:
+        decode_kernel = lambda e: count[e["name"]] % (steps - 1) == 0  # noqa: E731
     eff, gap, n_calls = collections.defaultdict(float), 0.0, collections.Counter()
     prev_end = None
     for e in kernels:

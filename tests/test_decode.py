@@ -382,10 +382,15 @@ def test_programmatic_dependent_launch_only_on_hopper_cuda(monkeypatch):
 
 def test_head_dim_not_a_power_of_two(monkeypatch):
     """bloom-3b and pythia-2.8b have head_dim 80 (gpt-neox-20b 96): the Triton decode
-    attention spans head_dim in one power-of-two block, so such models decode with baddbmm,
-    and the kernel's entry point answers with the reference instead of failing to compile."""
+    attention pads head_dim to a power-of-two block (ATTN_PAD_HEAD_DIM, the default). With
+    the padding off such models decode with baddbmm, and the kernel's entry point answers
+    with the reference instead of failing to compile."""
     from dschat.engine import decode_triton as dt
     from dschat.engine.decode import _DecodeBlock
+    assert dt.ATTN_PAD_HEAD_DIM
+    assert _DecodeBlock.default_attention(80, "fast", True) == "triton"
+    assert _DecodeBlock.default_attention(96, "fast", True) == "triton"
+    monkeypatch.setattr(dt, "ATTN_PAD_HEAD_DIM", False)
     assert _DecodeBlock.default_attention(80, "fast", True) == "bmm"
     assert _DecodeBlock.default_attention(96, "fast", True) == "bmm"
     assert _DecodeBlock.default_attention(64, "fast", True) == "triton"

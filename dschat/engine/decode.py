@@ -250,7 +250,7 @@ class _DecodeBlock:
         for numerics="hf" (HF's exact op order). cuDNN SDPA did not reproduce seeded
         sampling through graphs (RESULTS_decode.md)."""
         # the Triton kernel spans head_dim in one power-of-two block (bloom-3b and pythia-2.8b
-        # have 80, gpt-neox-20b 96: baddbmm unless decode_triton.ATTN_PAD_HEAD_DIM)
+        # have 80, gpt-neox-20b 96: padded to 128 unless decode_triton.ATTN_PAD_HEAD_DIM is off)
         pow2 = head_dim & (head_dim - 1) == 0 or decode_triton.ATTN_PAD_HEAD_DIM
         if numerics == "fast" and use_triton and head_dim <= 128 and pow2:
             return "triton"

@@ -281,9 +281,9 @@ ATTN_DOT: "bool | None" = None
 FUSE_KV_WRITE = True
 # Head dims that are not a power of two (bloom-3b and pythia-2.8b: 80, gpt-neox-20b: 96): the
 # kernel spans head_dim in one block of the next power of two with the extra lanes masked.
-# Checked in Triton's CPU interpreter only; off (such models decode with baddbmm) until
-# timed and checked on a GPU (tests/test_decode.py's kernel test has a head_dim-80 shape).
-ATTN_PAD_HEAD_DIM = False
+# False: such models decode with baddbmm. H200, bloom-3b bf16 batch 16: 3.04 against 3.77
+# ms/step (RESULTS_decode.md run 9); the GPU kernel test has a head_dim-80 shape.
+ATTN_PAD_HEAD_DIM = True
 
 
 def decode_attention_ref(q, kv, key_bias, pos, scale: float):

@@ -84,7 +84,7 @@ def check_padded_head_dim():
             torch.testing.assert_close(got_plain, want_plain, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got_fused, want_fused, atol=1e-5, rtol=1e-5)
             assert torch.equal(kv_fused, kv_ref), ("padded fused K/V write", S, D, p)
-    dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT, dt.ATTN_PAD_HEAD_DIM = None, False, None, False
+    dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT, dt.ATTN_PAD_HEAD_DIM = None, False, None, True
 
 
 check_padded_head_dim()
@@ -161,7 +161,7 @@ CONFIGS = {
     "gpt2": dict(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5),
 }
 for family, kwargs in CONFIGS.items():
-    dt.ATTN_PAD_HEAD_DIM = family.endswith("hd20")
+    dt.ATTN_PAD_HEAD_DIM = True           # the default; bloom-hd20 goes through it
     cfg = AutoConfig.for_model(family.split("-")[0], **kwargs)
     cfg.pad_token_id, cfg.eos_token_id = 0, 1
     torch.manual_seed(0)
@@ -205,5 +205,5 @@ for family, kwargs in CONFIGS.items():
     assert torch.equal(outs[True][0], want) and torch.equal(outs[False][0], want), family
     assert len(set(want[:, 12:].flatten().tolist())) > 3, "degenerate continuation"
 dt.FUSE_KV_WRITE, dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = False, None, False, None
-dt.ATTN_PAD_HEAD_DIM = False
+dt.ATTN_PAD_HEAD_DIM = True
 print("OK")
