@@ -394,7 +394,8 @@ def run_case(preset, dtype, B, P, T, args, numerics_list, agree, sample=False, s
             if agree:
                 row.update(agreement(hf, fr, P))
             # the per-shape decode linears "auto" picked so far in this process
-            row["linear_choices"] = {" ".join(map(str, k[1:6])) + f" pdl{k[-2]} pf{k[-1]}": str(v)
+            # (op, rows, N, K, weight read through its transpose, dtype)
+            row["linear_choices"] = {" ".join(map(str, k[1:7])) + f" pdl{k[-2]} pf{k[-1]}": str(v)
                                      for k, (v, _) in decode.decode_triton._CHOICE.items()}
         except Exception as exc:                       # keep the other cases going
             traceback.print_exc()

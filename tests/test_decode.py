@@ -350,6 +350,65 @@ def test_triton_kernels_match_reference(monkeypatch):
         # argmax: torch's index exactly, ties included
         x = torch.randint(0, 50, (16, 250880), device="cuda", generator=g).to(dtype)
         assert torch.equal(dt.argmax(x), x.argmax(-1))
+        # rotary in place, bit for bit HF's rounding: LLaMA's q and k heads, and GPT-NeoX's
+        # strided [q, k] rows of the fused QKV output with partial rotary
+        for B, H, D, R, llama in ((16, 32, 128, 128, True), (16, 16, 128, 32, False), (4, 8, 80, 20, False)):
+            qkv = torch.randn(B, H, 3, D, device="cuda", generator=g).to(dtype)
+            ang = (torch.rand(B, R // 2, device="cuda", generator=g) * 500).repeat(1, 2)
+            cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+            sin = torch.cat((-sin[:, :R // 2], sin[:, R // 2:]), dim=-1)
+            view = (lambda t: t.view(B, 3 * H, 1, D)[:, :2 * H]) if llama else (lambda t: t[:, :, 0:2])
+            got, want = qkv.clone(), qkv.clone()
+            dt.rope_(view(got), cos, sin)
+            dt.rope_ref_(view(want), cos, sin)
+            assert torch.equal(got, want) and not torch.equal(got, qkv), (dtype, D, R, llama)
+        # GPT-NeoX's parallel residual: (y + y2) + r and two LayerNorms of the sum in one kernel,
+        # from a linear's output or from its split-K partials
+        M, N, K = 16, 2048, 8192
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
+        b, y2, r, w1, b1, w2, b2 = (torch.randn(n, device="cuda", generator=g).to(dtype)
+                                    for n in (N, M * N, M * N, N, N, N, N))
+        y2, r = y2.view(M, N), r.view(M, N)
+        want = [t.float() for t in dt.add_norm_ref(dt.linear_ref(x, w, b), r, w1, b1, 1e-5, False, y2,
+                                                    (w2, b2, 1e-6))]
+        for cfg in [None] + list(dt._linear_candidates(K, parts=True).values())[1:]:
+            dt.LINEAR_FORCE = {"linear+norm": cfg}
+            got = dt.linear_add_norm(x, w, b, r, w1, b1, 1e-5, False, y2, (w2, b2, 1e-6))
+            assert len(got) == 3
+            for a, e in zip(got, want):
+                torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
+        # GPT-2's gelu_new in one kernel against HF's module (libdevice tanhf vs PyTorch's tanh
+        # may differ in the last bit, as for Bloom's GELU above)
+        from transformers.activations import NewGELUActivation
+        y = torch.randn(16, 6400, device="cuda", generator=g).to(dtype) * 3
+        same = (dt.new_gelu(y) == NewGELUActivation()(y)).float().mean().item()
+        assert same > 0.99, f"gelu_new kernel matches HF's module on {same:.4%}"
+        # a Conv1D weight [K, N] read through its transpose (GPT-2): every candidate
+        for N, K in ((4800, 1600), (1600, 6400)):
+            x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+            w = (torch.randn(K, N, device="cuda", generator=g) / K ** 0.5).to(dtype).t()
+            b, r, nw, nb = (torch.randn(n, device="cuda", generator=g).to(dtype) for n in (N, M * N, N, N))
+            r = r.view(M, N)
+            want_lin = dt.linear_ref(x, w, b).float()
+            for cfg in [None] + list(dt._linear_candidates(K, parts=False, transposed=True).values())[1:]:
+                dt.LINEAR_FORCE = {"linear": cfg}
+                torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
+            want = [t.float() for t in dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)]
+            for cfg in list(dt._linear_candidates(K, parts=True, transposed=True).values())[1:]:
+                dt.LINEAR_FORCE = {"linear+norm": cfg}
+                for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
+                    torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
+        # exact (erf) GELU in the linear's epilogue against nn.GELU after F.linear
+        N, K = 8192, 2048
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
+        b = torch.randn(N, device="cuda", generator=g).to(dtype)
+        want = dt.linear_ref(x, w, b, "erf").float()
+        for cfg in [None] + list(dt._linear_candidates(K, parts=False).values())[1:]:
+            dt.LINEAR_FORCE = {"linear": cfg}
+            torch.testing.assert_close(dt.tuned_linear(x, w, b, gelu="erf").float(), want, atol=tol * 4, rtol=tol)
+        dt.LINEAR_FORCE = None
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")

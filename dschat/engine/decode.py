@@ -308,13 +308,14 @@ class _DecodeBlock:
         """The fused add+norm for this tensor (the Triton one only for 2-D decode tensors)."""
         return self.add_norm if x.dim() == 2 else add_norm_ref
 
-    def lin_add_norm(self, a, lin, r, nw, nb, eps: float, rms: bool):
-        """add_norm(linear(a, *lin), r, nw, nb, eps): the residual add + norm after a block's
-        output projections. With per-shape linears ("auto") one tuned op for decode tensors,
-        where the linear may be split over K into partials that the norm kernel sums."""
+    def lin_add_norm(self, a, lin, r, nw, nb, eps: float, rms: bool, y2=None, second=None):
+        """add_norm(linear(a, *lin), r, nw, nb, eps, y2=, second=): the residual add + norm
+        after a block's output projections (add_norm_ref says what y2 and second add). With
+        per-shape linears ("auto") one tuned op for decode tensors, where the linear may be
+        split over K into partials that the norm kernel sums."""
         if self.lin is decode_triton.tuned_linear and a.dim() == 2:
-            return decode_triton.linear_add_norm(a, lin[0], lin[1], r, nw, nb, eps, rms)
-        return self.norms(a)(self.lin(a, *lin), r, nw, nb, eps, rms=rms)
+            return decode_triton.linear_add_norm(a, lin[0], lin[1], r, nw, nb, eps, rms, y2, second)
+        return self.norms(a)(self.lin(a, *lin), r, nw, nb, eps, rms, y2, second)
 
     @property
     def dtype(self):
@@ -722,14 +723,15 @@ class _LlamaBlock(_DecodeBlock):
         B = tok.shape[0]
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         cos, sin = self._rope_tables(row_pos)                  # [B, D]
-        cos, sin = cos[:, None], sin[:, None]
 
         def attend(li, h):
-            qkv = self._qkv(h, self.layers[li])                # [B, Hq+2Hkv, D]
-            qk = self._rope(qkv[:, :Hq + Hkv], cos, sin)
-            src = torch.stack((qk[:, Hq:], qkv[:, Hq + Hkv:]), dim=2)   # [B, Hkv, 2, D]
-            kv[li].index_copy_(2, pos, src.unsqueeze(2))
-            q = qk[:, :Hq].view(B, Hkv, Hq // Hkv, D)
+            qkv = self._qkv(h, self.layers[li])                # [B, Hq+2Hkv, D], fresh
+            decode_triton.rope_(qkv[:, :Hq + Hkv, None], cos, sin)    # q and k rows in place
+            q = qkv[:, :Hq].view(B, Hkv, Hq // Hkv, D)
+            new_kv = qkv[:, Hq:].view(B, 2, Hkv, D).transpose(1, 2)  # [B, Hkv, 2, D]
+            if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
+                return decode_triton.decode_attention(q, kv[li], bias, pos, self.scale, new_kv=new_kv)
+            kv[li].index_copy_(2, pos, new_kv.unsqueeze(2))
             return _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl, pos)
         return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
 
@@ -769,10 +771,17 @@ class _GPT2Block(_OPTBlock):
             self.layers.append(dict(
                 qkv=conv(at.c_attn), o=conv(at.c_proj), fc1=conv(mlp.c_fc), fc2=conv(mlp.c_proj),
                 ln1=(blk.ln_1.weight, blk.ln_1.bias, blk.ln_1.eps),
-                ln2=(blk.ln_2.weight, blk.ln_2.bias, blk.ln_2.eps), act=mlp.act))
+                ln2=(blk.ln_2.weight, blk.ln_2.bias, blk.ln_2.eps), act=self._act(mlp.act)))
         self.n_layers = len(self.layers)
         self.vocab = self.head.shape[0]
         self.scale = self.head_dim ** -0.5 if c.scale_attn_weights else 1.0
+
+    def _act(self, hf_act):
+        """GPT-2's gelu_new (HF's eight eager ops, each rounded) as one Triton kernel on
+        decode tensors; any other activation, and prefill, through HF's module."""
+        if self.config.activation_function != "gelu_new" or not self.use_triton:
+            return hf_act
+        return lambda y: decode_triton.new_gelu(y) if y.dim() == 2 else hf_act(y)
 
     def rebuild(self):
         pass
@@ -808,6 +817,9 @@ class _GPTNeoXBlock(_DecodeBlock):
         self.bias_heads = 1
         self.head_dim = c.hidden_size // c.num_attention_heads
         self.parallel = bool(c.use_parallel_residual)
+        # nn.GELU (exact, erf) can run in the decode linear's epilogue; other activations
+        # (gelu_new's op-by-op tanh and the rest) stay HF's module after the linear
+        self.erf_gelu = getattr(c, "hidden_act", None) == "gelu"
         blocks = self.part(fam.blocks)
         self.rot_dims = int(blocks[0].attention.rotary_ndims)
         self.embed = self.part(fam.embed_tokens).weight
@@ -848,6 +860,8 @@ class _GPTNeoXBlock(_DecodeBlock):
         qk.copy_(_LlamaBlock._rope(qk, cos, sin))
 
     def _mlp(self, h, lay):
+        if self.erf_gelu and h.dim() == 2 and self.lin in (decode_triton.tuned_linear, decode_triton.linear):
+            return self.lin(h, *lay["fc1"], gelu="erf")
         return lay["act"](self.lin(h, *lay["fc1"]))
 
     def _body(self, x, attend):
@@ -855,13 +869,17 @@ class _GPTNeoXBlock(_DecodeBlock):
         adds are fused with the norm that follows them."""
         last = len(self.layers) - 1
         h = self._ln(x, self.layers[0]["ln1"])
+        h2 = self._ln(x, self.layers[0]["ln2"]) if self.parallel else None
         for li, lay in enumerate(self.layers):
             nxt = self.ln_f if li == last else self.layers[li + 1]["ln1"]
             if self.parallel:
-                # HF: (mlp(ln2(x)) + attn(ln1(x))) + x, in that order
-                m = self.lin(self._mlp(self._ln(x, lay["ln2"]), lay), *lay["fc2"])
+                # HF: (mlp(ln2(x)) + attn(ln1(x))) + x, in that order. One kernel adds both
+                # and normalises x for the next layer's attention and MLP (ln1 and ln2)
                 a = self.lin(attend(li, h), *lay["dense"])
-                x, h = self.norms(x)(m + a, x, *nxt, rms=False)
+                second = None if li == last else self.layers[li + 1]["ln2"]
+                out = self.lin_add_norm(self._mlp(h2, lay), lay["fc2"], x, *nxt, rms=False, y2=a,
+                                        second=second)
+                x, h, h2 = out if second is not None else (*out, None)
             else:
                 x, h = self.lin_add_norm(attend(li, h), lay["dense"], x, *lay["ln2"], rms=False)
                 x, h = self.lin_add_norm(self._mlp(h, lay), lay["fc2"], x, *nxt, rms=False)
@@ -887,11 +905,10 @@ class _GPTNeoXBlock(_DecodeBlock):
         B = tok.shape[0]
         H, D = self.n_heads, self.head_dim
         cos, sin = self._rope_tables(row_pos)                  # [B, rot_dims]
-        cos, sin = cos[:, None, None], sin[:, None, None]
 
         def attend(li, h):
             qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
-            self._rope_qk(qkv, cos, sin)
+            decode_triton.rope_(qkv[:, :, 0:2], cos, sin)      # q and k rows, in place
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
                 return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
                                                       new_kv=qkv[:, :, 1:3])

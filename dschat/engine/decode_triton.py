@@ -16,6 +16,8 @@ On Hopper and later every kernel here is launched with programmatic dependent la
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -125,12 +127,19 @@ def _prefetch_count(limit: int, floor: int) -> int:
     return n
 
 
-def add_norm_ref(y, r, w, b, eps: float, rms: bool):
-    """x = r + y (rounded to the input dtype); h = norm(x) like HF's LayerNorm / RMSNorm."""
+def add_norm_ref(y, r, w, b, eps: float, rms: bool, y2=None, second=None):
+    """x = r + y (rounded to the input dtype); h = norm(x) like HF's LayerNorm / RMSNorm.
+    y2: a second summand, x = r + (y + y2) (GPT-NeoX's parallel residual, mlp + attn + x);
+    second = (w2, b2, eps2): a second LayerNorm of x, returned as a third output."""
+    if y2 is not None:
+        y = y + y2
     x = r + y
     if rms:
         return x, F.rms_norm(x, (x.shape[-1],), None, eps) * w
-    return x, F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    h = F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    if second is not None:
+        return x, h, F.layer_norm(x, (x.shape[-1],), second[0], second[1], second[2])
+    return x, h
 
 
 def hf_gelu_ref(y):
@@ -162,6 +171,51 @@ if triton is not None:
         tl.store(o_ptr + offs, (a * h).to(dt), mask=m)
 
 
+def new_gelu_ref(y):
+    """HF's NewGELUActivation (GPT-2's gelu_new) op by op, each result rounded to y's dtype."""
+    return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _new_gelu_kernel(y_ptr, o_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(y_ptr + offs, mask=m, other=0.0)
+        dt = x.dtype
+        x = x.to(tl.float32)
+        x2 = (x * x).to(dt).to(tl.float32)            # pow(x, 3) is x * x * x in x's dtype
+        p = (x2 * x).to(dt).to(tl.float32)
+        c = (0.044715 * p).to(dt).to(tl.float32)
+        s = (x + c).to(dt).to(tl.float32)
+        f = (0.7978845608028654 * s).to(dt).to(tl.float32)
+        if LIBDEVICE:
+            g = libdevice.tanh(f)
+        else:
+            g = 2.0 / (1.0 + tl.exp(-2.0 * f)) - 1.0
+        g = g.to(dt).to(tl.float32)
+        h = (1.0 + g).to(dt).to(tl.float32)
+        a = (0.5 * x).to(dt).to(tl.float32)
+        tl.store(o_ptr + offs, (a * h).to(dt), mask=m)
+
+
+def new_gelu(y):
+    """`new_gelu_ref` in one kernel (contiguous CUDA tensors; else the reference): one launch
+    instead of PyTorch's eight per decode layer."""
+    if triton is None or not y.is_contiguous() or (y.device.type != "cuda" and not _interpreting()):
+        return new_gelu_ref(y)
+    out = torch.empty_like(y)
+    n = y.numel()
+    pdl = _pdl_mode(y.device)
+    # no multiply-add contraction: every op rounds on its own, as in eager PyTorch
+    _new_gelu_kernel[(triton.cdiv(n, 1024),)](y, out, n, BLOCK=1024, LIBDEVICE=not _interpreting(),
+                                              PDL=pdl, num_warps=4, enable_fp_fusion=False,
+                                              **_pdl_launch(pdl))
+    return out
+
+
 def hf_gelu(y):
     """`hf_gelu_ref` in one kernel (contiguous CUDA tensors; else the reference)."""
     if triton is None or not y.is_contiguous() or (y.device.type != "cuda" and not _interpreting()):
@@ -177,9 +231,10 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_kernel(y_ptr, r_ptr, x_ptr, h_ptr, w_ptr, b_ptr, lb_ptr, N, eps,
-                         sy, sr, sx, sh, n_parts, s_part,
+                         sy, sr, sx, sh, n_parts, s_part, y2_ptr, sy2, h2_ptr, w2_ptr, b2_ptr, eps2,
                          BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_B: tl.constexpr,
-                         PARTS: tl.constexpr, HAS_LB: tl.constexpr, PDL: tl.constexpr):
+                         PARTS: tl.constexpr, HAS_LB: tl.constexpr, PDL: tl.constexpr,
+                         Y2: tl.constexpr, SECOND: tl.constexpr):
         _pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -195,6 +250,9 @@ if triton is not None:
             y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         else:
             y = tl.load(y_ptr + row * sy + cols, mask=m, other=0.0).to(tl.float32)
+        if Y2:                                            # (y + y2) rounded, then + r
+            y2 = tl.load(y2_ptr + row * sy2 + cols, mask=m, other=0.0).to(tl.float32)
+            y = (y + y2).to(x_ptr.dtype.element_ty).to(tl.float32)
         r = tl.load(r_ptr + row * sr + cols, mask=m, other=0.0).to(tl.float32)
         x = (y + r).to(x_ptr.dtype.element_ty)            # the residual stream, rounded as HF's add
         tl.store(x_ptr + row * sx + cols, x, mask=m)
@@ -211,22 +269,29 @@ if triton is not None:
             h = d * tl.rsqrt(var + eps) * w
             if HAS_B:
                 h = h + tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            if SECOND:                                    # a second LayerNorm of the same x
+                h2 = d * tl.rsqrt(var + eps2) * tl.load(w2_ptr + cols, mask=m, other=0.0).to(tl.float32)
+                h2 = h2 + tl.load(b2_ptr + cols, mask=m, other=0.0).to(tl.float32)
+                tl.store(h2_ptr + row * sh + cols, h2.to(h_ptr.dtype.element_ty), mask=m)
         tl.store(h_ptr + row * sh + cols, h.to(h_ptr.dtype.element_ty), mask=m)
 
 
-def add_norm(y, r, w, b, eps: float, rms: bool):
+def add_norm(y, r, w, b, eps: float, rms: bool, y2=None, second=None):
     """Fused `add_norm_ref` for 2-D [rows, N] tensors on CUDA (else the reference)."""
     if (triton is None or y.dim() != 2 or w is None
             or (y.device.type != "cuda" and not _interpreting())):
-        return add_norm_ref(y, r, w, b, eps, rms)
-    return _launch_add_norm(y, r, w, b, eps, rms)
+        return add_norm_ref(y, r, w, b, eps, rms, y2, second)
+    return _launch_add_norm(y, r, w, b, eps, rms, y2=y2, second=second)
 
 
-def _launch_add_norm(y, r, w, b, eps: float, rms: bool, parts=None, lin_b=None):
+def _launch_add_norm(y, r, w, b, eps: float, rms: bool, parts=None, lin_b=None, y2=None, second=None):
     """y [rows, N]; or parts [S, rows, N] fp32 (y then = sum over S + lin_b, rounded)."""
+    assert second is None or not rms
     rows, N = r.shape
     x = torch.empty_like(r)
     h = torch.empty_like(r)
+    h2 = torch.empty_like(r) if second is not None else h
+    w2, b2, eps2 = second if second is not None else (w, w, eps)
     block = triton.next_power_of_2(N)
     src = parts if parts is not None else y
     pdl = _pdl_mode(r.device)
@@ -235,10 +300,64 @@ def _launch_add_norm(y, r, w, b, eps: float, rms: bool, parts=None, lin_b=None):
                               src.stride(-2), r.stride(0), x.stride(0), h.stride(0),
                               parts.shape[0] if parts is not None else 0,
                               parts.stride(0) if parts is not None else 0,
+                              y2 if y2 is not None else r, y2.stride(0) if y2 is not None else 0,
+                              h2, w2, b2 if b2 is not None else w, float(eps2),
                               BLOCK=block, RMS=bool(rms), HAS_B=b is not None,
                               PARTS=parts is not None, HAS_LB=lin_b is not None, PDL=pdl,
+                              Y2=y2 is not None, SECOND=second is not None,
                               num_warps=4 if block <= 2048 else 8, **_pdl_launch(pdl))
-    return x, h
+    return (x, h, h2) if second is not None else (x, h)
+
+
+# ---------------------------------------------------------------------------- rotary
+
+def rope_ref_(x, cos, sin) -> None:
+    """Rotary positions in place on the first R dims of every vector of x [B, H, J, D]
+    (R = cos.shape[-1]; LLaMA R = D, GPT-NeoX's partial rotary R < D). cos, sin [B, R] in
+    x's dtype, sin sign-folded ([-sin_lo, sin_hi]): x*cos + swap_halves(x)*sin, each product
+    rounded to x's dtype, then the sum, as HF's x*cos + rotate_half(x)*sin."""
+    R = cos.shape[-1]
+    part = x[..., :R]
+    swapped = part.unflatten(-1, (2, R // 2)).flip(-2).flatten(-2)
+    part.copy_(part * cos[:, None, None] + swapped * sin[:, None, None])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, H, sxb, sxh, sxj, scb,
+                     J: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, PDL: tl.constexpr):
+        """Program (b, h): the J vectors x[b, h, :, :R] rotated in place."""
+        _pdl_enter(PDL)
+        b = tl.program_id(0) // H
+        h = tl.program_id(0) % H
+        d = tl.arange(0, RP)
+        ok = d < R
+        partner = tl.where(d < R // 2, d + R // 2, d - R // 2)
+        c = tl.load(cos_ptr + b * scb + d, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + b * scb + d, mask=ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(J):
+            base = x_ptr + b.to(tl.int64) * sxb + h * sxh + j * sxj
+            v = tl.load(base + d, mask=ok, other=0.0)
+            p = tl.load(base + partner, mask=ok, other=0.0)
+            t1 = (v.to(tl.float32) * c).to(v.dtype).to(tl.float32)
+            t2 = (p.to(tl.float32) * s).to(v.dtype).to(tl.float32)
+            tl.store(base + d, (t1 + t2).to(v.dtype), mask=ok)
+
+
+def rope_(x, cos, sin) -> None:
+    """`rope_ref_` as one Triton kernel on CUDA (the decode step's q and k rows rotated where
+    the QKV linear wrote them: one launch instead of six PyTorch kernels per layer)."""
+    if (triton is None or x.dim() != 4 or x.stride(-1) != 1 or cos.stride(-1) != 1
+            or sin.stride() != cos.stride() or (x.device.type != "cuda" and not _interpreting())):
+        return rope_ref_(x, cos, sin)
+    B, H, J, _ = x.shape
+    R = cos.shape[-1]
+    pdl = _pdl_mode(x.device)
+    # no multiply-add contraction: HF rounds each product before the sum (exact in fp32 too)
+    _rope_kernel[(B * H,)](x, cos, sin, H, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
+                           J=J, R=R, RP=triton.next_power_of_2(R), PDL=pdl, num_warps=1,
+                           enable_fp_fusion=False, **_pdl_launch(pdl))
 
 
 def _even_chunks(n: int, parts: int, block: int) -> tuple[int, int]:
@@ -618,22 +737,32 @@ LINEAR_FORCE: "dict | None" = None
 _TUNE_MARGIN = 0.97                   # a Triton candidate must take < 97% of cuBLAS's time
 
 
-def linear_ref(x, w, b=None, gelu: bool = False):
+def linear_ref(x, w, b=None, gelu: "bool | str" = False):
+    """F.linear, then gelu: False none, True / "tanh" tanh-GELU, "erf" exact GELU (applied to
+    the linear's output rounded to its dtype, as HF's nn.GELU after nn.Linear)."""
     y = F.linear(x, w, b)
-    return F.gelu(y, approximate="tanh") if gelu else y
+    return F.gelu(y, approximate="none" if gelu == "erf" else "tanh") if gelu else y
+
+
+def _gelu_code(gelu) -> int:
+    """The linear kernels' GELU constexpr: 0 none, 1 tanh (cuBLASLt epilogue's fp32 math),
+    2 erf on the output rounded to the model dtype (nn.GELU's)."""
+    return 2 if gelu == "erf" else int(bool(gelu))
 
 
 if triton is not None:
 
     @triton.jit
-    def _load_w(w_ptr, offs_n, k, n_ok, k_ok, sw):
-        """The [BLOCK_K, BLOCK_N] tile w[offs_n, k].T."""
-        return tl.load(w_ptr + offs_n[None, :] * sw + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+    def _load_w(w_ptr, offs_n, k, n_ok, k_ok, sw, swk):
+        """The [BLOCK_K, BLOCK_N] tile w[offs_n, k].T (swk 1: an nn.Linear weight [N, K];
+        sw 1: a Conv1D weight [K, N] read through its transpose)."""
+        return tl.load(w_ptr + offs_n[None, :] * sw + k[:, None] * swk, mask=n_ok[None, :] & k_ok[:, None],
+                       other=0.0)
 
     @triton.jit
-    def _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k_ok, sx, sw,
+    def _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k_ok, sx, sw, swk,
                    LIBDEVICE: tl.constexpr, IEEE: tl.constexpr):
-        return _dot_w(acc, x_ptr, _load_w(w_ptr, offs_n, k, n_ok, k_ok, sw), offs_m, k, m_ok, k_ok, sx,
+        return _dot_w(acc, x_ptr, _load_w(w_ptr, offs_n, k, n_ok, k_ok, sw, swk), offs_m, k, m_ok, k_ok, sx,
                       LIBDEVICE, IEEE)
 
     @triton.jit
@@ -648,7 +777,7 @@ if triton is not None:
         return acc + tl.dot(x, w)
 
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy,
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, swk, sy,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        HAS_B: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr,
                        IEEE: tl.constexpr, PDL: tl.constexpr, PF_K: tl.constexpr,
@@ -663,7 +792,7 @@ if triton is not None:
         if PDL == 3 and PF_K > 0:     # the strip's first PF_K columns into L2 while the previous kernel ends
             _l2_prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), sw, 0, K, PF_K, LINE)
         if PDL == 2:                  # the first weight tile is read while the previous kernel ends
-            w0 = _load_w(w_ptr, offs_n, offs_k, n_ok, offs_k < K, sw)
+            w0 = _load_w(w_ptr, offs_n, offs_k, n_ok, offs_k < K, sw, swk)
             _pdl_enter(PDL)
             acc = _dot_w(acc, x_ptr, w0, offs_m, offs_k, m_ok, offs_k < K, sx, LIBDEVICE, IEEE)
             k_first = BLOCK_K
@@ -671,11 +800,14 @@ if triton is not None:
             _pdl_enter(PDL)
         for k0 in range(k_first, K, BLOCK_K):
             k = k0 + offs_k
-            acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < K, sx, sw,
+            acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < K, sx, sw, swk,
                              LIBDEVICE, IEEE)
         if HAS_B:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GELU:                                        # tanh-GELU in fp32, as cuBLASLt's epilogue
+        if GELU == 2:                                   # nn.GELU() on the rounded linear output
+            v = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+            acc = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
+        if GELU == 1:                                   # tanh-GELU in fp32, as cuBLASLt's epilogue
             u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
             if LIBDEVICE:
                 t = libdevice.tanh(u)
@@ -686,7 +818,7 @@ if triton is not None:
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _linear_part_kernel(x_ptr, w_ptr, p_ptr, M, N, K, chunk, sx, sw,
+    def _linear_part_kernel(x_ptr, w_ptr, p_ptr, M, N, K, chunk, sx, sw, swk,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             LIBDEVICE: tl.constexpr, IEEE: tl.constexpr, WHILE: tl.constexpr,
                             PDL: tl.constexpr, PF_K: tl.constexpr, LINE: tl.constexpr):
@@ -704,7 +836,7 @@ if triton is not None:
             _l2_prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), sw, start, end, PF_K, LINE)
         if PDL == 2:                  # the first weight tile is read while the previous kernel ends
             k = start + offs_k
-            w0 = _load_w(w_ptr, offs_n, k, n_ok, k < end, sw)
+            w0 = _load_w(w_ptr, offs_n, k, n_ok, k < end, sw, swk)
             _pdl_enter(PDL)
             acc = _dot_w(acc, x_ptr, w0, offs_m, k, m_ok, k < end, sx, LIBDEVICE, IEEE)
             start += BLOCK_K
@@ -714,13 +846,13 @@ if triton is not None:
             k0 = start
             while k0 < end:
                 k = k0 + offs_k
-                acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < end, sx, sw,
+                acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < end, sx, sw, swk,
                                  LIBDEVICE, IEEE)
                 k0 += BLOCK_K
         else:
             for k0 in range(start, end, BLOCK_K):
                 k = k0 + offs_k
-                acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < end, sx, sw,
+                acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < end, sx, sw, swk,
                                  LIBDEVICE, IEEE)
         tl.store(p_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -737,18 +869,18 @@ def _linear_block_n(N: int) -> int:
 
 def _triton_ok(x, w) -> bool:
     return (triton is not None and x.dim() == 2 and x.shape[0] <= 64 and x.stride(-1) == 1
-            and w.stride(-1) == 1 and (x.device.type == "cuda" or _interpreting()))
+            and 1 in w.stride() and (x.device.type == "cuda" or _interpreting()))
 
 
-def _linear_triton(x, w, b, gelu: bool, bn: int, bk: int, warps: int = 4, stages=None):
+def _linear_triton(x, w, b, gelu, bn: int, bk: int, warps: int = 4, stages=None):
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     pdl = _pdl_mode(x.device)
     _linear_kernel[(triton.cdiv(N, bn),)](
-        x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+        x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
-        HAS_B=b is not None, GELU=bool(gelu), LIBDEVICE=not _interpreting(),
+        HAS_B=b is not None, GELU=_gelu_code(gelu), LIBDEVICE=not _interpreting(),
         IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=warps,
         **_prefetch_args(pdl, bn, K, w), **({"num_stages": stages} if stages else {}),
         **_pdl_launch(pdl))
@@ -757,10 +889,11 @@ def _linear_triton(x, w, b, gelu: bool, bn: int, bk: int, warps: int = 4, stages
 
 def _prefetch_args(pdl: int, bn: int, k_len: int, w) -> dict:
     """PF_K / LINE of the linear kernels: PDL mode 3 prefetches about PDL_PREFETCH bytes of
-    each program's bn weight rows, at most its k_len columns."""
+    each program's bn weight rows, at most its k_len columns (none for a weight read through
+    its transpose, whose rows are not contiguous)."""
     line = 128 // w.element_size()
     pf = 0
-    if pdl == 3 and PDL_PREFETCH > 0:
+    if pdl == 3 and PDL_PREFETCH > 0 and w.stride(-1) == 1:
         pf = _prefetch_count(min(k_len, PDL_PREFETCH // (bn * w.element_size())), line)
     return {"PF_K": pf, "LINE": line}
 
@@ -773,7 +906,7 @@ def _linear_parts(x, w, splits: int, bn: int, bk: int, warps: int = 4, stages=No
     parts = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     pdl = _pdl_mode(x.device)
     _linear_part_kernel[(triton.cdiv(N, bn), splits)](
-        x, w, parts, M, N, K, chunk, x.stride(0), w.stride(0),
+        x, w, parts, M, N, K, chunk, x.stride(0), w.stride(0), w.stride(1),
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
         LIBDEVICE=not _interpreting(), IEEE=x.dtype == torch.float32, WHILE=_interpreting(),
         PDL=pdl, num_warps=warps, **_prefetch_args(pdl, bn, chunk, w),
@@ -781,8 +914,8 @@ def _linear_parts(x, w, splits: int, bn: int, bk: int, warps: int = 4, stages=No
     return parts
 
 
-def linear(x, w, b=None, gelu: bool = False):
-    """y = x @ w.T (+ b) (then tanh-GELU) for 2-D x of at most 64 rows on CUDA in one
+def linear(x, w, b=None, gelu: "bool | str" = False):
+    """y = x @ w.T (+ b) (then GELU, see `linear_ref`) for 2-D x of at most 64 rows on CUDA in one
     Triton kernel (the fixed LINEAR_* rule); anything else goes to `linear_ref`."""
     if not _triton_ok(x, w):
         return linear_ref(x, w, b, gelu)
@@ -795,14 +928,16 @@ def linear(x, w, b=None, gelu: bool = False):
 # Triton candidates (BLOCK_N, BLOCK_K), 4 warps: the winners of benchmarks/linear_bench.py
 # over bloom-560m and bloom-7b1's decode linears at batch 1, 16 and 64 (RESULTS_decode.md run 5)
 _TILES = ((16, 256), (32, 128), (32, 256), (64, 128))
+# a Conv1D weight [K, N] read through its transpose: contiguous along N, so wider N tiles
+_TILES_T = ((32, 128), (64, 128), (128, 64), (256, 32))
 _SPLITS = (1, 2, 4, 8)
 _REFINE = ((4, 2), (4, 4), (4, 5), (8, 3), (8, 4))     # (warps, stages) tried on the winner
 _CHOICE: dict = {}                                      # shape key -> (name, config)
 
 
-def _linear_candidates(K: int, parts: bool) -> dict:
+def _linear_candidates(K: int, parts: bool, transposed: bool = False) -> dict:
     out = {"cublas": None}
-    for bn, bk in _TILES:
+    for bn, bk in _TILES_T if transposed else _TILES:
         if not parts:
             out[f"triton n{bn} k{bk}"] = (bn, bk)
             continue
@@ -858,7 +993,7 @@ def _choose(key: tuple, run, w):
         return _CHOICE[key][1]
     if w.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
-    cands = _linear_candidates(w.shape[1], parts=key[1] == "linear+norm")
+    cands = _linear_candidates(w.shape[1], parts=key[1] == "linear+norm", transposed=w.stride(-1) != 1)
     copies, n_calls = _weight_copies(w)
     times = {}
 
@@ -883,11 +1018,11 @@ def _choose(key: tuple, run, w):
     return cands[best]
 
 
-def tuned_linear(x, w, b=None, gelu: bool = False, epilogue: bool = False):
-    """`linear_ref` (or cuBLASLt's bias+GELU epilogue when `epilogue`) or a Triton kernel,
-    whichever "auto" timed fastest for this shape."""
+def tuned_linear(x, w, b=None, gelu: "bool | str" = False, epilogue: bool = False):
+    """`linear_ref` (or cuBLASLt's bias+tanh-GELU epilogue when `epilogue`) or a Triton
+    kernel, whichever "auto" timed fastest for this shape."""
     def cublas(w_):
-        if gelu and epilogue and b is not None:
+        if gelu and gelu != "erf" and epilogue and b is not None:
             return torch._addmm_activation(b, x, w_.t(), use_gelu=True)
         return linear_ref(x, w_, b, gelu)
     if not _triton_ok(x, w):
@@ -896,25 +1031,26 @@ def tuned_linear(x, w, b=None, gelu: bool = False, epilogue: bool = False):
 
     def run(cfg, w_):
         return cublas(w_) if cfg is None else _linear_triton(x, w_, b, gelu, *cfg)
-    key = (str(x.device), "linear", M, w.shape[0], K, str(x.dtype), b is not None, gelu,
+    key = (str(x.device), "linear", M, w.shape[0], K, w.stride(-1) != 1, str(x.dtype), b is not None, gelu,
            *_launch_key(x.device))
     return run(_choose(key, run, w), w)
 
 
-def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool):
-    """add_norm(F.linear(a, w, b), r, nw, nb, eps, rms) -> (x, h), the linear split over K
-    into partials that the add+norm kernel sums, where "auto" timed that faster than
-    cuBLAS + add+norm for this shape."""
+def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool, y2=None, second=None):
+    """add_norm(F.linear(a, w, b), r, nw, nb, eps, rms, y2, second) -> (x, h[, h2]), the
+    linear split over K into partials that the add+norm kernel sums, where "auto" timed that
+    faster than cuBLAS + add+norm for this shape."""
     if not _triton_ok(a, w) or nw is None:
-        return add_norm(F.linear(a, w, b), r, nw, nb, eps, rms)
+        return add_norm(F.linear(a, w, b), r, nw, nb, eps, rms, y2, second)
     M, K = a.shape
 
     def run(cfg, w_):
         if cfg is None:
-            return add_norm(F.linear(a, w_, b), r, nw, nb, eps, rms)
-        return _launch_add_norm(None, r, nw, nb, eps, rms, parts=_linear_parts(a, w_, *cfg), lin_b=b)
-    key = (str(a.device), "linear+norm", M, w.shape[0], K, str(a.dtype), b is not None, bool(rms),
-           *_launch_key(a.device))
+            return add_norm(F.linear(a, w_, b), r, nw, nb, eps, rms, y2, second)
+        return _launch_add_norm(None, r, nw, nb, eps, rms, parts=_linear_parts(a, w_, *cfg), lin_b=b,
+                                y2=y2, second=second)
+    key = (str(a.device), "linear+norm", M, w.shape[0], K, w.stride(-1) != 1, str(a.dtype), b is not None,
+           bool(rms), y2 is not None, second is not None, *_launch_key(a.device))
     return run(_choose(key, run, w), w)
 
 

@@ -88,12 +88,51 @@ def check_padded_head_dim():
 
 
 check_padded_head_dim()
+
+
+def check_rope():
+    """The rotary kernel against `rope_ref_` (bit for bit in fp32; in bf16 within rounding,
+    as the interpreter truncates fp32 -> bf16 casts where the GPU rounds to nearest even, so
+    bit equality in bf16 is the GPU kernel test's): LLaMA's q and k
+    heads ([B, Hq+Hkv, 1, D], all dims) and GPT-NeoX's per-head [q, k] rows of the fused QKV
+    output ([B, H, 2, D] strided, partial rotary) with v and the pass-through dims untouched."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, H, layout, D, R in ((3, 6, "llama", 16, 16), (2, 4, "neox", 32, 8), (2, 4, "neox", 24, 12)):
+            qkv = torch.randn(B, H, 3, D, generator=gen).to(dtype)
+            ang = torch.randn(B, R // 2, generator=gen).repeat(1, 2)
+            cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+            sin = torch.cat((-sin[:, :R // 2], sin[:, R // 2:]), dim=-1)
+            got, want = qkv.clone(), qkv.clone()
+            view = (lambda t: t.view(B, 3 * H, 1, D)[:, :2 * H]) if layout == "llama" else (lambda t: t[:, :, 0:2])
+            dt.rope_ref_, ref = _no_reference, dt.rope_ref_
+            try:
+                dt.rope_(view(got), cos, sin)
+            finally:
+                dt.rope_ref_ = ref
+            ref(view(want), cos, sin)
+            if dtype == torch.float32:
+                assert torch.equal(got, want), (dtype, layout, D, R)
+            else:
+                torch.testing.assert_close(got, want, atol=0.02, rtol=0.016)
+                rotated = torch.zeros(qkv.shape, dtype=torch.bool)
+                view(rotated)[..., :R] = True
+                assert torch.equal(got[~rotated], qkv[~rotated])
+            assert not torch.equal(got, qkv)
+
+
+check_rope()
 for rms in (False, True):
     y, r, w, b = torch.randn(4, 96, generator=gen), torch.randn(4, 96, generator=gen), \
         torch.randn(96, generator=gen), torch.randn(96, generator=gen)
     for a, e in zip(dt.add_norm(y, r, w, None if rms else b, 1e-5, rms),
                     dt.add_norm_ref(y, r, w, None if rms else b, 1e-5, rms)):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+# GPT-NeoX's parallel residual: (y + y2) + r, two LayerNorms of it
+y2, w2, b2 = torch.randn(4, 96, generator=gen), torch.randn(96, generator=gen), torch.randn(96, generator=gen)
+got = dt.add_norm(y, r, w, b, 1e-5, False, y2, (w2, b2, 1e-6))
+assert len(got) == 3
+for a, e in zip(got, dt.add_norm_ref(y, r, w, b, 1e-5, False, y2, (w2, b2, 1e-6))):
+    torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
 
 
 def check_linears():
@@ -106,6 +145,22 @@ def check_linears():
                 torch.testing.assert_close(dt.linear(x, w, b, gelu), dt.linear_ref(x, w, b, gelu),
                                            atol=1e-4, rtol=1e-4)
     dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K = None, 128
+    # a Conv1D weight [K, N] read through its transpose (GPT-2), exact GELU in the epilogue
+    for M, N, K in [(3, 40, 70), (16, 96, 256)]:
+        x, w = torch.randn(M, K, generator=gen), torch.randn(K, N, generator=gen).t() / K ** 0.5
+        b = torch.randn(N, generator=gen)
+        for gelu, cfg in itertools.product((False, "erf"), [(16, 32), (64, 32, 4, 2)]):
+            dt.LINEAR_FORCE = {"linear": cfg}
+            torch.testing.assert_close(dt.tuned_linear(x, w, b, gelu=gelu), dt.linear_ref(x, w, b, gelu),
+                                       atol=1e-4, rtol=1e-4)
+        r, nw, nb = torch.randn(M, N, generator=gen), torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+        dt.LINEAR_FORCE = {"linear+norm": (2, 16, 32)}
+        for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False),
+                        dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)):
+            torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+    dt.LINEAR_FORCE = None
+    y = torch.randn(5, 333, generator=gen) * 3         # GPT-2's gelu_new in one kernel
+    torch.testing.assert_close(dt.new_gelu(y), dt.new_gelu_ref(y), atol=1e-5, rtol=1e-5)
     # split-K partials summed by the add+norm kernel (+ the linear's bias) == add_norm(F.linear)
     for M, N, K in [(3, 40, 70), (16, 96, 256)]:
         for splits, bn, bk, *ws in ((1, 16, 32), (2, 32, 32), (3, 16, 16), (8, 16, 32, 8, 4)):
@@ -149,7 +204,7 @@ CONFIGS = {
     "bloom": dict(vocab_size=300, hidden_size=64, n_layer=2, n_head=4, initializer_range=0.5),
     "opt": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
                 max_position_embeddings=64, word_embed_proj_dim=64, init_std=0.5),
-    # grouped queries (2 query heads per K/V head); no fused K/V write in this block
+    # grouped queries (2 query heads per K/V head); rotary kernel, fused K/V write from [B, Hq+2Hkv, D]
     "llama": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=128, initializer_range=0.5),
     # partial rotary, parallel residual; q and the new K/V read from the QKV output in place
