@@ -185,13 +185,15 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     # "pfl<KiB>" / "pfa<KiB>": mode 3's L2 prefetch per program, linears and attention /
     # linears (decode_triton.PDL_PREFETCH) / attention (PDL_PREFETCH_ATTN); "padhd": the
     # Triton attention at head dims that are not a power of two (ATTN_PAD_HEAD_DIM); "m100": a
-    # Triton linear is picked whenever it times faster than cuBLAS (default margin 3%)
+    # Triton linear is picked whenever it times faster than cuBLAS (default margin 3%);
+    # "nogated": LLaMA's gate and up as two linears + SiLU + product (decode_triton.FUSE_GATED off)
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
     saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
              dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
-             dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN, dtr.ATTN_PAD_HEAD_DIM)
+             dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN, dtr.ATTN_PAD_HEAD_DIM,
+             dtr.FUSE_GATED)
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -215,6 +217,8 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr.ATTN_DOT = f == "dot"
         if f == "padhd":
             dtr.ATTN_PAD_HEAD_DIM = True
+        if f == "nogated":
+            dtr.FUSE_GATED = False
         if f in ("pdl0", "pdl1", "pdl2", "pdl3"):
             dtr.PDL = int(f[3])
         for pre, names in (("pf", ("PDL_PREFETCH", "PDL_PREFETCH_ATTN")), ("pfl", ("PDL_PREFETCH",)),
@@ -230,7 +234,8 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     finally:
         (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
          dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
-         dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN, dtr.ATTN_PAD_HEAD_DIM) = saved
+         dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN, dtr.ATTN_PAD_HEAD_DIM,
+             dtr.FUSE_GATED) = saved
         if any(f.startswith("m") and f[1:].isdigit() for f in flags):
             dtr._CHOICE.clear()
 

@@ -399,6 +399,15 @@ def test_triton_kernels_match_reference(monkeypatch):
                 dt.LINEAR_FORCE = {"linear+norm": cfg}
                 for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
                     torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
+        # LLaMA's SiLU(gate) * up in one kernel: every candidate against HF's op order
+        N, K = 11008, 4096
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        wg, wu = ((torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype) for _ in range(2))
+        want = dt.gated_ref(x, wg, None, wu, None)
+        for cfg in [None] + list(dt._linear_candidates(K, parts=False).values())[1:]:
+            dt.LINEAR_FORCE = {"gated": cfg}
+            torch.testing.assert_close(dt.gated_mlp(x, wg, None, wu, None).float(), want.float(),
+                                       atol=tol * 4, rtol=tol)
         # exact (erf) GELU in the linear's epilogue against nn.GELU after F.linear
         N, K = 8192, 2048
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)

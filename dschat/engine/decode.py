@@ -629,6 +629,7 @@ class _LlamaBlock(_DecodeBlock):
         self.head = self.part(fam.lm_head).weight
         rot = resolve(self.model, self._rotary_path(self.model))
         self.inv_freq, self.rope_scaling = rot.inv_freq, float(rot.attention_scaling)
+        self.silu = getattr(c, "hidden_act", None) == "silu"       # nn.SiLU, as gated_mlp computes
         self.layers = []
         for i, blk in enumerate(blocks):
             at, mlp = blk.self_attn, blk.mlp
@@ -688,6 +689,8 @@ class _LlamaBlock(_DecodeBlock):
         return torch.cat([self.lin(h, *lay[n]) for n in "qkv"], dim=-1).view(shape)
 
     def _mlp_inner(self, h, lay):
+        if self.silu and decode_triton.FUSE_GATED and self.lin is decode_triton.tuned_linear and h.dim() == 2:
+            return decode_triton.gated_mlp(h, *lay["gate"], *lay["up"])    # one kernel where faster
         return lay["act"](self.lin(h, *lay["gate"])) * self.lin(h, *lay["up"])
 
     def _body(self, x, attend):

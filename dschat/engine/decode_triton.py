@@ -858,6 +858,48 @@ if triton is not None:
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _gated_kernel(x_ptr, g_ptr, u_ptr, bg_ptr, bu_ptr, y_ptr, M, N, K, sx, sw, swk, sy,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      HAS_B: tl.constexpr, LIBDEVICE: tl.constexpr, IEEE: tl.constexpr,
+                      PDL: tl.constexpr, PF_K: tl.constexpr, LINE: tl.constexpr):
+        """silu(x @ g.T + bg) * (x @ u.T + bu) for BLOCK_N columns, rounded as HF's LlamaMLP
+        rounds: each linear's output, the SiLU, the product."""
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if PDL == 3 and PF_K > 0:
+            _l2_prefetch_rows(g_ptr, tl.minimum(offs_n, N - 1), sw, 0, K, PF_K, LINE)
+            _l2_prefetch_rows(u_ptr, tl.minimum(offs_n, N - 1), sw, 0, K, PF_K, LINE)
+        _pdl_enter(PDL)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < K
+            acc_g = _dot_block(acc_g, x_ptr, g_ptr, offs_m, offs_n, k, m_ok, n_ok, k_ok, sx, sw, swk,
+                               LIBDEVICE, IEEE)
+            acc_u = _dot_block(acc_u, x_ptr, u_ptr, offs_m, offs_n, k, m_ok, n_ok, k_ok, sx, sw, swk,
+                               LIBDEVICE, IEEE)
+        if HAS_B:
+            acc_g += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(bu_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        dt = y_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        if LIBDEVICE:                 # PyTorch's SiLU: x / (1 + expf(-x)), IEEE division
+            s = libdevice.div_rn(g, 1.0 + libdevice.exp(-g))
+        else:
+            s = g / (1.0 + tl.exp(-g))
+        s = s.to(dt).to(tl.float32)
+        tl.store(y_ptr + offs_m[:, None] * sy + offs_n[None, :], (s * u).to(dt),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
 def _linear_block_n(N: int) -> int:
     if LINEAR_BLOCK_N:
         return LINEAR_BLOCK_N
@@ -887,14 +929,15 @@ def _linear_triton(x, w, b, gelu, bn: int, bk: int, warps: int = 4, stages=None)
     return y
 
 
-def _prefetch_args(pdl: int, bn: int, k_len: int, w) -> dict:
+def _prefetch_args(pdl: int, bn: int, k_len: int, w, budget: "int | None" = None) -> dict:
     """PF_K / LINE of the linear kernels: PDL mode 3 prefetches about PDL_PREFETCH bytes of
     each program's bn weight rows, at most its k_len columns (none for a weight read through
     its transpose, whose rows are not contiguous)."""
     line = 128 // w.element_size()
     pf = 0
-    if pdl == 3 and PDL_PREFETCH > 0 and w.stride(-1) == 1:
-        pf = _prefetch_count(min(k_len, PDL_PREFETCH // (bn * w.element_size())), line)
+    budget = PDL_PREFETCH if budget is None else budget
+    if pdl == 3 and budget > 0 and w.stride(-1) == 1:
+        pf = _prefetch_count(min(k_len, budget // (bn * w.element_size())), line)
     return {"PF_K": pf, "LINE": line}
 
 
@@ -912,6 +955,26 @@ def _linear_parts(x, w, splits: int, bn: int, bk: int, warps: int = 4, stages=No
         PDL=pdl, num_warps=warps, **_prefetch_args(pdl, bn, chunk, w),
         **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
     return parts
+
+
+def gated_ref(x, wg, bg, wu, bu):
+    """HF's LlamaMLP up to down_proj with SiLU: act(gate(x)) * up(x)."""
+    return F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu)
+
+
+def _gated_triton(x, wg, bg, wu, bu, bn: int, bk: int, warps: int = 4, stages=None):
+    M, K = x.shape
+    N = wg.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    pdl = _pdl_mode(x.device)
+    _gated_kernel[(triton.cdiv(N, bn),)](
+        x, wg, wu, bg if bg is not None else wg, bu if bu is not None else wg, y, M, N, K,
+        x.stride(0), wg.stride(0), wg.stride(1), y.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
+        HAS_B=bg is not None, LIBDEVICE=not _interpreting(), IEEE=x.dtype == torch.float32, PDL=pdl,
+        num_warps=warps, **_prefetch_args(pdl, bn, K, wg, PDL_PREFETCH // 2),
+        **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
+    return y
 
 
 def linear(x, w, b=None, gelu: "bool | str" = False):
@@ -977,8 +1040,11 @@ def _weight_copies(w) -> tuple[list, int]:
     """(copies, n_calls) to time a linear on: distinct copies of w cycled through, > 128 MB
     together, so that L2 (50 MB on an H200) holds none of them when it comes round again,
     as in a real step; n_calls per timed graph replay."""
-    nbytes = w.numel() * w.element_size()
-    copies = [w] + [w.clone() for _ in range(min(16, -(-(128 << 20) // nbytes)) - 1)]
+    ws = w if isinstance(w, tuple) else (w,)             # the gated MLP times two weights
+    nbytes = sum(t.numel() * t.element_size() for t in ws)
+    n = min(16, -(-(128 << 20) // nbytes))
+    clone = (lambda: tuple(t.clone() for t in ws)) if isinstance(w, tuple) else w.clone
+    copies = [w] + [clone() for _ in range(n - 1)]
     return copies, max(len(copies), 4 if nbytes > (64 << 20) else 16)
 
 
@@ -991,9 +1057,10 @@ def _choose(key: tuple, run, w):
         return LINEAR_FORCE.get(key[1])
     if key in _CHOICE:
         return _CHOICE[key][1]
-    if w.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    w0 = w[0] if isinstance(w, tuple) else w
+    if w0.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
-    cands = _linear_candidates(w.shape[1], parts=key[1] == "linear+norm", transposed=w.stride(-1) != 1)
+    cands = _linear_candidates(w0.shape[1], parts=key[1] == "linear+norm", transposed=w0.stride(-1) != 1)
     copies, n_calls = _weight_copies(w)
     times = {}
 
@@ -1052,6 +1119,27 @@ def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool, y2=None, second=N
     key = (str(a.device), "linear+norm", M, w.shape[0], K, w.stride(-1) != 1, str(a.dtype), b is not None,
            bool(rms), y2 is not None, second is not None, *_launch_key(a.device))
     return run(_choose(key, run, w), w)
+
+
+# LLaMA-style blocks (SiLU) run act(gate(h)) * up(h) through `gated_mlp` (False: two tuned
+# linears, then PyTorch's SiLU and product; the A/B switch of decode_bench's "nogated")
+FUSE_GATED = True
+
+
+def gated_mlp(x, wg, bg, wu, bu):
+    """`gated_ref` (SiLU(gate) * up): cuBLAS for each linear plus PyTorch's SiLU and product
+    (four kernels), or one Triton kernel reading both weights, whichever "auto" timed
+    fastest for this shape."""
+    if not (_triton_ok(x, wg) and wg.shape == wu.shape and wg.stride() == wu.stride()
+            and (bg is None) == (bu is None)):
+        return gated_ref(x, wg, bg, wu, bu)
+    M, K = x.shape
+
+    def run(cfg, ws):
+        return gated_ref(x, ws[0], bg, ws[1], bu) if cfg is None else _gated_triton(x, ws[0], bg, ws[1], bu, *cfg)
+    key = (str(x.device), "gated", M, wg.shape[0], K, wg.stride(-1) != 1, str(x.dtype), bg is not None,
+           *_launch_key(x.device))
+    return run(_choose(key, run, (wg, wu)), (wg, wu))
 
 
 # ---------------------------------------------------------------------------- argmax

@@ -159,6 +159,16 @@ def check_linears():
                         dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)):
             torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
     dt.LINEAR_FORCE = None
+    # LLaMA's SiLU(gate) * up in one kernel reading both weights
+    for M, N, K in [(3, 40, 70), (16, 96, 256)]:
+        x = torch.randn(M, K, generator=gen)
+        wg, wu = (torch.randn(N, K, generator=gen) / K ** 0.5 for _ in range(2))
+        for bias, cfg in itertools.product((False, True), [(16, 32), (32, 64, 4, 2)]):
+            bg, bu = (torch.randn(N, generator=gen), torch.randn(N, generator=gen)) if bias else (None, None)
+            dt.LINEAR_FORCE = {"gated": cfg}
+            torch.testing.assert_close(dt.gated_mlp(x, wg, bg, wu, bu), dt.gated_ref(x, wg, bg, wu, bu),
+                                       atol=1e-4, rtol=1e-4)
+    dt.LINEAR_FORCE = None
     y = torch.randn(5, 333, generator=gen) * 3         # GPT-2's gelu_new in one kernel
     torch.testing.assert_close(dt.new_gelu(y), dt.new_gelu_ref(y), atol=1e-5, rtol=1e-5)
     # split-K partials summed by the add+norm kernel (+ the linear's bias) == add_norm(F.linear)
@@ -245,7 +255,7 @@ for family, kwargs in CONFIGS.items():
     # every decode linear in a Triton kernel: the fixed rule (Bloom), and "auto" forced to
     # Triton for plain linears and split-K partials summed by the add+norm kernel
     for lin_mode, force in ([(True, None)] if family == "bloom" else []) + [
-            ("auto", {"linear": (16, 32), "linear+norm": (2, 16, 32)})]:
+            ("auto", {"linear": (16, 32), "linear+norm": (2, 16, 32), "gated": (16, 32)})]:
         dt.DECODE_LINEAR, dt.LINEAR_FORCE = lin_mode, force
         fg = decode.FastGenerator(model, max_prompt_len=12, max_new_tokens=10, attn_impl="triton",
                                   use_triton=True)
