@@ -777,16 +777,19 @@ if triton is not None:
         return acc + tl.dot(x, w)
 
     @triton.jit
+    def _strip(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A decode linear program's rows, its BLOCK_N output columns, one K block's offsets."""
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return offs_m, offs_n, tl.arange(0, BLOCK_K), offs_m < M, offs_n < N
+
+    @triton.jit
     def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, swk, sy,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        HAS_B: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr,
                        IEEE: tl.constexpr, PDL: tl.constexpr, PF_K: tl.constexpr,
                        LINE: tl.constexpr):
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
+        offs_m, offs_n, offs_k, m_ok, n_ok = _strip(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         k_first = 0
         if PDL == 3 and PF_K > 0:     # the strip's first PF_K columns into L2 while the previous kernel ends
@@ -824,11 +827,7 @@ if triton is not None:
                             PDL: tl.constexpr, PF_K: tl.constexpr, LINE: tl.constexpr):
         """Split s of K (program axis 1): fp32 partial x[:, ks] @ w[ns, ks].T -> p[s]."""
         s = tl.program_id(1)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
+        offs_m, offs_n, offs_k, m_ok, n_ok = _strip(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         start = s * chunk
         end = tl.minimum(start + chunk, K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -867,11 +866,7 @@ if triton is not None:
                       PDL: tl.constexpr, PF_K: tl.constexpr, LINE: tl.constexpr):
         """silu(x @ g.T + bg) * (x @ u.T + bu) for BLOCK_N columns, rounded as HF's LlamaMLP
         rounds: each linear's output, the SiLU, the product."""
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
+        offs_m, offs_n, offs_k, m_ok, n_ok = _strip(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if PDL == 3 and PF_K > 0:
