@@ -304,6 +304,11 @@ class _DecodeBlock:
         """LayerNorm with ln = (weight, bias, eps)."""
         return F.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
 
+    def rope_(self, x, cos, sin) -> None:
+        """Rotary in place on x [B, H, J, D] (decode_triton.rope_ref_ says how); one Triton
+        kernel where Triton is allowed."""
+        (decode_triton.rope_ if self.use_triton else decode_triton.rope_ref_)(x, cos, sin)
+
     def norms(self, x):
         """The fused add+norm for this tensor (the Triton one only for 2-D decode tensors)."""
         return self.add_norm if x.dim() == 2 else add_norm_ref
@@ -729,7 +734,7 @@ class _LlamaBlock(_DecodeBlock):
 
         def attend(li, h):
             qkv = self._qkv(h, self.layers[li])                # [B, Hq+2Hkv, D], fresh
-            decode_triton.rope_(qkv[:, :Hq + Hkv, None], cos, sin)    # q and k rows in place
+            self.rope_(qkv[:, :Hq + Hkv, None], cos, sin)      # q and k rows in place
             q = qkv[:, :Hq].view(B, Hkv, Hq // Hkv, D)
             new_kv = qkv[:, Hq:].view(B, 2, Hkv, D).transpose(1, 2)  # [B, Hkv, 2, D]
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
@@ -911,7 +916,7 @@ class _GPTNeoXBlock(_DecodeBlock):
 
         def attend(li, h):
             qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
-            decode_triton.rope_(qkv[:, :, 0:2], cos, sin)      # q and k rows, in place
+            self.rope_(qkv[:, :, 0:2], cos, sin)               # q and k rows, in place
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
                 return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
                                                       new_kv=qkv[:, :, 1:3])
