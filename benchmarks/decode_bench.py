@@ -174,6 +174,12 @@ def hf_run(model, ids, mask, T, keep_logits):
     return dict(seqs=seqs, logits=logits, secs=secs, peak=_peak_gib())
 
 
+# the module switches a variant's flags may set; fast_run puts them back after each run
+_KNOBS = [(decode, "DECODE_SDPA_BACKENDS")] + [(decode.decode_triton, name) for name in (
+    "ATTN_SPLITS", "ATTN_BLOCK_N", "FUSE_KV_WRITE", "ATTN_INLINE_COMBINE", "DECODE_LINEAR", "TRITON_ARGMAX",
+    "ATTN_DOT", "PDL", "_TUNE_MARGIN", "PDL_PREFETCH", "PDL_PREFETCH_ATTN", "ATTN_PAD_HEAD_DIM", "FUSE_GATED")]
+
+
 def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     _reset_peak()
     # e.g. fast, fast:sdpa, fast:sdpa:notriton, fast:sdpa:cudnn, fast:triton:s8:bn64, hf;
@@ -190,10 +196,7 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
-    saved = (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-             dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
-             dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN, dtr.ATTN_PAD_HEAD_DIM,
-             dtr.FUSE_GATED)
+    saved = {(mod, name): getattr(mod, name) for mod, name in _KNOBS}
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
             dtr.ATTN_SPLITS = int(f[1:])
@@ -232,10 +235,8 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
     try:
         return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
     finally:
-        (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, decode.DECODE_SDPA_BACKENDS, dtr.FUSE_KV_WRITE,
-         dtr.ATTN_INLINE_COMBINE, dtr.DECODE_LINEAR, dtr.TRITON_ARGMAX, dtr.ATTN_DOT, dtr.PDL,
-         dtr._TUNE_MARGIN, dtr.PDL_PREFETCH, dtr.PDL_PREFETCH_ATTN, dtr.ATTN_PAD_HEAD_DIM,
-             dtr.FUSE_GATED) = saved
+        for (mod, name), value in saved.items():
+            setattr(mod, name, value)
         if any(f.startswith("m") and f[1:].isdigit() for f in flags):
             dtr._CHOICE.clear()
 

@@ -680,12 +680,6 @@ class _LlamaBlock(_DecodeBlock):
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return cos, sin
 
-    @staticmethod
-    def _rope(x, cos, sin):
-        D = x.shape[-1]
-        swapped = x.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)
-        return x * cos + swapped * sin
-
     def _qkv(self, h, lay):
         """[..., Hq + 2*Hkv, D] projections."""
         shape = h.shape[:-1] + (self.n_heads + 2 * self.n_kv_heads, self.head_dim)
@@ -715,14 +709,13 @@ class _LlamaBlock(_DecodeBlock):
         Hq, Hkv = self.n_heads, self.n_kv_heads
         bias = _prefill_bias(key_bias, P)
         cos, sin = self._rope_tables(pos_ids)                  # [B, P, D]
-        cos, sin = cos[:, :, None], sin[:, :, None]
 
         def attend(li, h):
-            qkv = self._qkv(h, self.layers[li])                # [B, P, Hq+2Hkv, D]
-            qk = self._rope(qkv[:, :, :Hq + Hkv], cos, sin)
-            k, v = qk[:, :, Hq:], qkv[:, :, Hq + Hkv:]
+            qkv = self._qkv(h, self.layers[li])                # [B, P, Hq+2Hkv, D], fresh
+            decode_triton.rope_ref_(qkv[:, :, :Hq + Hkv], cos, sin)     # q and k rows in place
+            k, v = qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
             kv[li, :, :, :P].copy_(torch.stack((k, v), dim=3).transpose(1, 2))
-            return _attend_prefill(qk[:, :, :Hq].transpose(1, 2), k.transpose(1, 2),
+            return _attend_prefill(qkv[:, :, :Hq].transpose(1, 2), k.transpose(1, 2),
                                    v.transpose(1, 2), bias, self.scale, self.attn_impl)
         h = self._body(F.embedding(ids, self.embed), attend)
         return _lin(h[:, -1], self.head)
@@ -829,7 +822,6 @@ class _GPTNeoXBlock(_DecodeBlock):
         # (gelu_new's op-by-op tanh and the rest) stay HF's module after the linear
         self.erf_gelu = getattr(c, "hidden_act", None) == "gelu"
         blocks = self.part(fam.blocks)
-        self.rot_dims = int(blocks[0].attention.rotary_ndims)
         self.embed = self.part(fam.embed_tokens).weight
         fin = self.part(fam.final_norm)
         self.ln_f = (fin.weight, fin.bias, fin.eps)
@@ -860,12 +852,6 @@ class _GPTNeoXBlock(_DecodeBlock):
 
     prompt_positions = _LlamaBlock.prompt_positions
     _rope_tables = _LlamaBlock._rope_tables
-
-    def _rope_qk(self, qkv, cos, sin) -> None:
-        """Rotary in place on the q and k rows of qkv [..., 3, D] (their first rot_dims dims;
-        the rest and v pass through): qkv is the QKV linear's own fresh output."""
-        qk = qkv[..., 0:2, :self.rot_dims]
-        qk.copy_(_LlamaBlock._rope(qk, cos, sin))
 
     def _mlp(self, h, lay):
         if self.erf_gelu and h.dim() == 2 and self.lin in (decode_triton.tuned_linear, decode_triton.linear):
@@ -898,11 +884,10 @@ class _GPTNeoXBlock(_DecodeBlock):
         H, D = self.n_heads, self.head_dim
         bias = _prefill_bias(key_bias, P)
         cos, sin = self._rope_tables(pos_ids)                  # [B, P, rot_dims]
-        cos, sin = cos[:, :, None, None], sin[:, :, None, None]
 
         def attend(li, h):
             qkv = _lin(h, *self.layers[li]["qkv"]).view(B, P, H, 3, D)
-            self._rope_qk(qkv, cos, sin)
+            decode_triton.rope_ref_(qkv[:, :, :, 0:2], cos, sin)       # q and k rows in place
             kv[li, :, :, :P].copy_(qkv[:, :, :, 1:3].transpose(1, 2))
             q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
             return _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)

@@ -312,14 +312,16 @@ def _launch_add_norm(y, r, w, b, eps: float, rms: bool, parts=None, lin_b=None, 
 # ---------------------------------------------------------------------------- rotary
 
 def rope_ref_(x, cos, sin) -> None:
-    """Rotary positions in place on the first R dims of every vector of x [B, H, J, D]
-    (R = cos.shape[-1]; LLaMA R = D, GPT-NeoX's partial rotary R < D). cos, sin [B, R] in
-    x's dtype, sin sign-folded ([-sin_lo, sin_hi]): x*cos + swap_halves(x)*sin, each product
-    rounded to x's dtype, then the sum, as HF's x*cos + rotate_half(x)*sin."""
+    """Rotary positions in place on the first R dims of every vector of x (R = cos.shape[-1];
+    LLaMA R = D, GPT-NeoX's partial rotary R < D). cos, sin [*lead, R] in x's dtype for x's
+    leading dims (decode: x [B, H, J, D], cos [B, R]; prefill: x [B, P, ..., D], cos
+    [B, P, R]), sin sign-folded ([-sin_lo, sin_hi]): x*cos + swap_halves(x)*sin, each
+    product rounded to x's dtype, then the sum, as HF's x*cos + rotate_half(x)*sin."""
     R = cos.shape[-1]
+    shape = cos.shape[:-1] + (1,) * (x.dim() - cos.dim()) + (R,)
     part = x[..., :R]
     swapped = part.unflatten(-1, (2, R // 2)).flip(-2).flatten(-2)
-    part.copy_(part * cos[:, None, None] + swapped * sin[:, None, None])
+    part.copy_(part * cos.reshape(shape) + swapped * sin.reshape(shape))
 
 
 if triton is not None:
@@ -348,7 +350,7 @@ if triton is not None:
 def rope_(x, cos, sin) -> None:
     """`rope_ref_` as one Triton kernel on CUDA (the decode step's q and k rows rotated where
     the QKV linear wrote them: one launch instead of six PyTorch kernels per layer)."""
-    if (triton is None or x.dim() != 4 or x.stride(-1) != 1 or cos.stride(-1) != 1
+    if (triton is None or x.dim() != 4 or cos.dim() != 2 or x.stride(-1) != 1 or cos.stride(-1) != 1
             or sin.stride() != cos.stride() or (x.device.type != "cuda" and not _interpreting())):
         return rope_ref_(x, cos, sin)
     B, H, J, _ = x.shape

@@ -136,6 +136,7 @@ def sft_problems(args) -> list[str]:
                    "its own input model; pick another --output_dir")
     if _missing_local(args.model_name_or_path):
         out.append(f"--model_name_or_path {args.model_name_or_path}: no such file or folder")
+    out += _fits_positions(args.model_name_or_path, args.max_seq_len, "--max_seq_len", "model_name_or_path")
     out += _data_paths(args)
     out += checkpoint_problems(args)
     return out
@@ -163,13 +164,11 @@ def _fits_positions(path: str | None, length: int, flags: str, owner: str) -> li
 
 
 def step1_problems(args) -> list[str]:
-    return sft_problems(args) + _fits_positions(args.model_name_or_path, args.max_seq_len, "--max_seq_len",
-                                                "model_name_or_path")
+    return sft_problems(args)
 
 
 def step2_problems(args) -> list[str]:
-    out = sft_problems(args) + _fits_positions(args.model_name_or_path, args.max_seq_len, "--max_seq_len",
-                                               "model_name_or_path")
+    out = sft_problems(args)
     if args.num_padding_at_beginning is not None and args.num_padding_at_beginning < 0:
         out.append(f"--num_padding_at_beginning must be >= 0, got {args.num_padding_at_beginning}")
     return out
