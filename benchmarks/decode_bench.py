@@ -14,6 +14,7 @@ diff| over the steps whose inputs still agree. Writes decode_results.md / .json 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -177,22 +178,30 @@ def hf_run(model, ids, mask, T, keep_logits):
 # the module switches a variant's flags may set; fast_run puts them back after each run
 _KNOBS = [(decode, "DECODE_SDPA_BACKENDS")] + [(decode.decode_triton, name) for name in (
     "ATTN_SPLITS", "ATTN_BLOCK_N", "FUSE_KV_WRITE", "ATTN_INLINE_COMBINE", "DECODE_LINEAR", "TRITON_ARGMAX",
-    "ATTN_DOT", "PDL", "_TUNE_MARGIN", "PDL_PREFETCH", "PDL_PREFETCH_ATTN", "ATTN_PAD_HEAD_DIM", "FUSE_GATED")]
+    "ATTN_DOT", "PDL", "_TUNE_MARGIN", "PDL_PREFETCH", "PDL_PREFETCH_ATTN", "ATTN_PAD_HEAD_DIM", "FUSE_GATED",
+    "ATTN_L2_WARM", "ATTN_L2_WARM_AT", "ATTN_L2_WARM_LINES", "ATTN_L2_WARM_LAST", "ATTN_KV_EVICT_FIRST")]
 
 
-def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
-    _reset_peak()
-    # e.g. fast, fast:sdpa, fast:sdpa:notriton, fast:sdpa:cudnn, fast:triton:s8:bn64, hf;
-    # "fusedkv" / "nofusedkv": the Triton attention writes the step's K/V itself or not
-    # (decode_triton.FUSE_KV_WRITE); "inline": no combine kernel; "tlin": Triton decode linears
-    # (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
-    # "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": decode_triton.ATTN_DOT;
-    # "pdl0" .. "pdl3": decode_triton.PDL (programmatic dependent launch); "pf<KiB>" /
-    # "pfl<KiB>" / "pfa<KiB>": mode 3's L2 prefetch per program, linears and attention /
-    # linears (decode_triton.PDL_PREFETCH) / attention (PDL_PREFETCH_ATTN); "padhd": the
-    # Triton attention at head dims that are not a power of two (ATTN_PAD_HEAD_DIM); "m100": a
-    # Triton linear is picked whenever it times faster than cuBLAS (default margin 3%);
-    # "nogated": LLaMA's gate and up as two linears + SiLU + product (decode_triton.FUSE_GATED off)
+@contextlib.contextmanager
+def variant(numerics: str):
+    """Set the decode module switches a numerics string names (restored on exit); yields
+    (numerics, attention impl or None, flags).
+
+    e.g. fast, fast:sdpa, fast:sdpa:notriton, fast:sdpa:cudnn, fast:triton:s8:bn64, hf;
+    "fusedkv" / "nofusedkv": the Triton attention writes the step's K/V itself or not
+    (decode_triton.FUSE_KV_WRITE); "inline": no combine kernel; "tlin": Triton decode linears
+    (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
+    "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": decode_triton.ATTN_DOT;
+    "pdl0" .. "pdl3": decode_triton.PDL (programmatic dependent launch); "pf<KiB>" /
+    "pfl<KiB>" / "pfa<KiB>": mode 3's L2 prefetch per program, linears and attention /
+    linears (decode_triton.PDL_PREFETCH) / attention (PDL_PREFETCH_ATTN); "padhd": the
+    Triton attention at head dims that are not a power of two (ATTN_PAD_HEAD_DIM); "m100": a
+    Triton linear is picked whenever it times faster than cuBLAS (default margin 3%);
+    "nogated": LLaMA's gate and up as two linears + SiLU + product (decode_triton.FUSE_GATED off);
+    "warm<MiB>": the attention asks L2 for the next weights (ATTN_L2_WARM, 0: off), "wat<1-3>"
+    where (ATTN_L2_WARM_AT), "wl<N>" lines per chunk, "wnorm" at evict_normal priority;
+    "kvef": the K/V loads evict_first (ATTN_KV_EVICT_FIRST)
+    """
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
@@ -222,6 +231,14 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr.ATTN_PAD_HEAD_DIM = True
         if f == "nogated":
             dtr.FUSE_GATED = False
+        for pre, name, scale in (("warm", "ATTN_L2_WARM", 1 << 20), ("wat", "ATTN_L2_WARM_AT", 1),
+                                 ("wl", "ATTN_L2_WARM_LINES", 1)):
+            if f.startswith(pre) and f[len(pre):].isdigit():
+                setattr(dtr, name, int(f[len(pre):]) * scale)
+        if f == "wnorm":
+            dtr.ATTN_L2_WARM_LAST = False
+        if f == "kvef":
+            dtr.ATTN_KV_EVICT_FIRST = True
         if f in ("pdl0", "pdl1", "pdl2", "pdl3"):
             dtr.PDL = int(f[3])
         for pre, names in (("pf", ("PDL_PREFETCH", "PDL_PREFETCH_ATTN")), ("pfl", ("PDL_PREFETCH",)),
@@ -233,12 +250,18 @@ def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
             dtr._TUNE_MARGIN = int(f[1:]) / 100
             dtr._CHOICE.clear()
     try:
-        return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
+        yield numerics, attn, flags
     finally:
         for (mod, name), value in saved.items():
             setattr(mod, name, value)
         if any(f.startswith("m") and f[1:].isdigit() for f in flags):
             dtr._CHOICE.clear()
+
+
+def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):
+    _reset_peak()
+    with variant(numerics) as (numerics, attn, flags):
+        return _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample)
 
 
 def _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample):
@@ -411,7 +434,12 @@ def run_case(preset, dtype, B, P, T, args, numerics_list, agree, sample=False, s
     if args.profile and preset in args.profile and B == 16 and dtype == torch.bfloat16 and std is None:
         try:
             profile_steps(model, ids, mask, Path(args.out) / f"profile_{preset}.txt")
-            profile_graph(model, ids, mask, Path(args.out) / f"profile_graph_{preset}.txt")
+            for name in args.profile_variants.split(","):
+                with variant(name):
+                    print(f"profile of {preset}, {name}:", flush=True)
+                    suffix = "" if name == "fast" else "_" + name.replace(":", "_")
+                    profile_graph(model, ids, mask, Path(args.out) / f"profile_graph_{preset}{suffix}.txt",
+                                  steps=args.profile_steps)
         except Exception:
             traceback.print_exc()
     del model, hf
@@ -453,7 +481,12 @@ def main():
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--numerics", default="fast,hf")
-    ap.add_argument("--profile", default="bloom-560m")
+    ap.add_argument("--profile", default="bloom-560m",
+                    help="presets whose batch-16 bf16 case also gets kernel profiles (eager and graph replay)")
+    ap.add_argument("--profile-variants", default="fast",
+                    help="comma list of numerics variants (as in --numerics) to profile the graph replay under")
+    ap.add_argument("--profile-steps", type=int, default=24,
+                    help="decode steps of the graph-replay profile (keys grow from the prompt length)")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     device = f"{torch.cuda.get_device_name() if CUDA else 'cpu'} torch {torch.__version__}"

@@ -118,6 +118,40 @@ if triton is not None:
                                   dtype=tl.int32, is_pure=False, pack=1)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _l2_warm(ptr, n_lines, prog, n_prog, c0, c1, W: tl.constexpr, LINE: tl.constexpr,
+                 LAST: tl.constexpr):
+        """Ask L2 for chunks c0 .. c1 (W lines of 128 bytes each) of this program's share
+        (program prog of n_prog) of a contiguous region of n_lines lines at ptr."""
+        per = tl.cdiv(n_lines, n_prog)
+        lo = prog * per
+        hi = tl.minimum(lo + per, n_lines)
+        for c in range(c0, c1):
+            first = lo + c * W
+            if first < hi:
+                idx = tl.minimum(first + tl.arange(0, W), hi - 1)
+                ptrs = ptr + idx.to(tl.int64) * LINE
+                if LAST:
+                    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+                                              "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+                else:
+                    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+                                              "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _l2_warm_regions(w0, n0, w1, n1, w2, n2, prog, n_prog, c0, c1, NW: tl.constexpr,
+                         W: tl.constexpr, LINE: tl.constexpr, LAST: tl.constexpr):
+        """_l2_warm over the NW (0-3) regions in turn."""
+        if NW > 0:
+            _l2_warm(w0, n0, prog, n_prog, c0, c1, W, LINE, LAST)
+        if NW > 1:
+            _l2_warm(w1, n1, prog, n_prog, c0, c1, W, LINE, LAST)
+        if NW > 2:
+            _l2_warm(w2, n2, prog, n_prog, c0, c1, W, LINE, LAST)
+
+
 def _prefetch_count(limit: int, floor: int) -> int:
     """PDL mode 3's prefetch length along a row: the largest power of two <= limit, at
     least `floor` (one 128-byte line)."""
@@ -405,6 +439,17 @@ FUSE_KV_WRITE = True
 # False: such models decode with baddbmm. H200, bloom-3b bf16 batch 16: 3.04 against 3.77
 # ms/step (RESULTS_decode.md run 9); the GPU kernel test has a head_dim-80 shape.
 ATTN_PAD_HEAD_DIM = True
+# While the decode attention streams the K/V cache it leaves DRAM bandwidth idle (one
+# bloom-7b1 layer at 385 keys reads its K/V at ~3.2 of the 4.2 TB/s a copy reaches, RESULTS_decode
+# run 5): its programs also ask L2 (PTX prefetch.global.L2, a hint that holds no registers)
+# for the weights the layer reads next - the attention output projection, then the MLP's -
+# up to ATTN_L2_WARM bytes, so those linears read them from L2 instead of DRAM. Weights are
+# never written inside a decode step, so the hint may run before the PDL wait. 0: off.
+ATTN_L2_WARM = 0
+ATTN_L2_WARM_AT = 3          # 1: before the PDL wait; 2: after it; 3: one chunk per key block
+ATTN_L2_WARM_LINES = 64      # 128-byte lines per chunk and program
+ATTN_L2_WARM_LAST = True     # the hint's L2 priority: evict_last (else evict_normal)
+ATTN_KV_EVICT_FIRST = False  # the K/V loads marked evict_first (they are read once per step)
 
 
 def decode_attention_ref(q, kv, key_bias, pos, scale: float):
@@ -435,15 +480,16 @@ if triton is not None:
     @triton.jit
     def _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale, skv_l, gmask, offs_d,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr, DOT: tl.constexpr,
-                    INTERP: tl.constexpr, DP: tl.constexpr):
+                    INTERP: tl.constexpr, DP: tl.constexpr, EVP: tl.constexpr):
         """Online-softmax update with keys n0 .. n0+BLOCK_N (those < end). q [GP, D] in the
         cache dtype when DOT (tensor-core dots; GP >= 16 rows, the padding rows zero), else fp32."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
         kmask = _lanes(valid[:, None], offs_d, D, DP)
-        k = tl.load(kv_base + offs_n[:, None] * skv_l + offs_d[None, :], mask=kmask, other=0.0)
+        k = tl.load(kv_base + offs_n[:, None] * skv_l + offs_d[None, :], mask=kmask, other=0.0,
+                    eviction_policy=EVP)
         v = tl.load(kv_base + offs_n[:, None] * skv_l + D + offs_d[None, :],
-                    mask=kmask, other=0.0).to(tl.float32)
+                    mask=kmask, other=0.0, eviction_policy=EVP).to(tl.float32)
         if DOT:
             # bf16/fp16 q.K^T with fp32 accumulation (exact products), then p.V in TF32
             if INTERP:                # Triton's CPU interpreter gets bf16 dots wrong (3.9)
@@ -499,16 +545,25 @@ if triton is not None:
     def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, new_ptr,
                            count_ptr, Hkv, chunk, scale,
                            sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h, sn_b, sn_h, sn_v,
+                           w0, wn0, w1, wn1, w2, wn2,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
                            FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr, DOT: tl.constexpr,
                            GS: tl.constexpr, PDL: tl.constexpr, PF_N: tl.constexpr,
-                           LINE: tl.constexpr, DP: tl.constexpr):
+                           LINE: tl.constexpr, DP: tl.constexpr, EVP: tl.constexpr,
+                           WARM: tl.constexpr, NW: tl.constexpr, WL: tl.constexpr,
+                           WLAST: tl.constexpr, WLINE: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
         h = bh % Hkv
         start = split * chunk
+        # L2 warming of the next weights (ATTN_L2_WARM): this program's share, in chunks
+        prog = bh * SPLITS + split
+        n_prog = tl.num_programs(0) * SPLITS
+        n_chunks = tl.cdiv(tl.cdiv(tl.maximum(tl.maximum(wn0, wn1), wn2), n_prog), WL)
+        if WARM == 1:
+            _l2_warm_regions(w0, wn0, w1, wn1, w2, wn2, prog, n_prog, 0, n_chunks, NW, WL, WLINE, WLAST)
         if PDL == 3 and PF_N > 0:
             # cached slots before pos are never written in this step (pos was set by the
             # previous step): ask L2 for this program's first PF_N of them before waiting
@@ -516,6 +571,8 @@ if triton is not None:
             slots = tl.minimum(start + tl.arange(0, PF_N), last)
             _l2_prefetch_rows(kv_ptr + b * skv_b + h * skv_h, slots, skv_l, 0, 2 * D, 2 * DP, LINE)
         _pdl_enter(PDL)
+        if WARM == 2:
+            _l2_warm_regions(w0, wn0, w1, wn1, w2, wn2, prog, n_prog, 0, n_chunks, NW, WL, WLINE, WLAST)
         n_keys = tl.load(pos_ptr) + 1                 # slots 0..pos, read on the device
         if FUSED:                                     # slot pos comes from new_ptr, below
             end = tl.minimum(start + chunk, n_keys - 1)
@@ -552,12 +609,18 @@ if triton is not None:
             n0 = start
             while n0 < end:
                 m_i, l_i, acc = _attn_block(qb, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
-                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE, DP)
+                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE, DP, EVP)
                 n0 += BLOCK_N
         else:
+            c = 0
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _attn_block(qb, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
-                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE, DP)
+                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE, DP, EVP)
+                if WARM == 3:
+                    _l2_warm_regions(w0, wn0, w1, wn1, w2, wn2, prog, n_prog, c, c + 1, NW, WL, WLINE, WLAST)
+                c += 1
+            if WARM == 3:                             # chunks the key loop did not reach
+                _l2_warm_regions(w0, wn0, w1, wn1, w2, wn2, prog, n_prog, c, n_chunks, NW, WL, WLINE, WLAST)
         if FUSED:
             if own_new:
                 s_new = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1) * scale + kb_new
@@ -647,12 +710,31 @@ def write_kv_ref(kv, new_kv, pos) -> None:
     kv.index_copy_(2, pos, new_kv.unsqueeze(2))
 
 
-def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
+def _warm_regions(tensors, budget: int) -> list:
+    """(tensor, 128-byte lines) for up to three of `tensors` in order, until `budget` bytes;
+    the last one may be warmed in part. Only densely stored ones of the first one's element
+    size (the kernel steps through them in lines of 128 bytes of that size's elements)."""
+    out = []
+    for t in tensors or ():
+        if t is None or budget <= 0 or len(out) == 3:
+            continue
+        if not (t.is_contiguous() or (t.dim() == 2 and t.t().is_contiguous())):
+            continue
+        if out and t.element_size() != out[0][0].element_size():
+            continue
+        nbytes = min(t.numel() * t.element_size(), budget)
+        out.append((t, -(-nbytes // 128)))
+        budget -= nbytes
+    return out
+
+
+def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, warm=None):
     """Triton flash-decoding over slots 0..pos read from the device (so one CUDA graph
     serves every step): split-K programs, then a combine kernel when split.
 
     `new_kv` [B, Hkv, 2, D] (any strides but a contiguous last dim): this step's K/V,
-    written into slot pos by the kernel itself (else the caller must have written it)."""
+    written into slot pos by the kernel itself (else the caller must have written it).
+    `warm`: the weights read next, in order, which the kernel asks L2 for (ATTN_L2_WARM)."""
     fallback = triton is None or (q.device.type != "cuda" and not _interpreting())
     B, Hkv, G, D = q.shape
     L = kv.shape[2]
@@ -695,13 +777,20 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         pf_n = _prefetch_count(min(chunk, PDL_PREFETCH_ATTN // (2 * D * kv.element_size())), 1)
     inline = count is not None
     count = count if inline else m
+    regions = _warm_regions(warm, ATTN_L2_WARM) if pdl else []   # (Hopper+, compiled kernels)
+    wargs = []
+    for i in range(3):
+        wargs += list(regions[i]) if i < len(regions) else [q, 0]
     _attn_split_kernel[(B * Hkv, S)](
         q, kv, key_bias, pos, out, m, l, acc, new, count, Hkv, chunk, float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
+        *wargs,
         G=G, GP=GP, D=D, DP=DP, BLOCK_N=bn,
         SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
-        PDL=pdl, PF_N=pf_n, LINE=line,
+        PDL=pdl, PF_N=pf_n, LINE=line, EVP="evict_first" if ATTN_KV_EVICT_FIRST else "",
+        WARM=ATTN_L2_WARM_AT if regions else 0, NW=len(regions), WL=ATTN_L2_WARM_LINES,
+        WLAST=ATTN_L2_WARM_LAST, WLINE=128 // (regions[0][0].element_size() if regions else 2),
         num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages,
         **_pdl_launch(pdl))
     if S > 1 and not inline:
