@@ -178,8 +178,7 @@ def hf_run(model, ids, mask, T, keep_logits):
 # the module switches a variant's flags may set; fast_run puts them back after each run
 _KNOBS = [(decode, "DECODE_SDPA_BACKENDS")] + [(decode.decode_triton, name) for name in (
     "ATTN_SPLITS", "ATTN_BLOCK_N", "FUSE_KV_WRITE", "ATTN_INLINE_COMBINE", "DECODE_LINEAR", "TRITON_ARGMAX",
-    "ATTN_DOT", "PDL", "_TUNE_MARGIN", "PDL_PREFETCH", "PDL_PREFETCH_ATTN", "ATTN_PAD_HEAD_DIM", "FUSE_GATED",
-    "ATTN_L2_WARM", "ATTN_L2_WARM_AT", "ATTN_L2_WARM_LINES", "ATTN_L2_WARM_LAST", "ATTN_KV_EVICT_FIRST")]
+    "ATTN_DOT", "PDL", "_TUNE_MARGIN", "PDL_PREFETCH", "PDL_PREFETCH_ATTN", "ATTN_PAD_HEAD_DIM", "FUSE_GATED", "ATTN_WARPS")]
 
 
 @contextlib.contextmanager
@@ -198,9 +197,7 @@ def variant(numerics: str):
     Triton attention at head dims that are not a power of two (ATTN_PAD_HEAD_DIM); "m100": a
     Triton linear is picked whenever it times faster than cuBLAS (default margin 3%);
     "nogated": LLaMA's gate and up as two linears + SiLU + product (decode_triton.FUSE_GATED off);
-    "warm<MiB>": the attention asks L2 for the next weights (ATTN_L2_WARM, 0: off), "wat<1-3>"
-    where (ATTN_L2_WARM_AT), "wl<N>" lines per chunk, "wnorm" at evict_normal priority;
-    "kvef": the K/V loads evict_first (ATTN_KV_EVICT_FIRST)
+    "aw<N>": the decode attention's warps (ATTN_WARPS)
     """
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
@@ -231,14 +228,8 @@ def variant(numerics: str):
             dtr.ATTN_PAD_HEAD_DIM = True
         if f == "nogated":
             dtr.FUSE_GATED = False
-        for pre, name, scale in (("warm", "ATTN_L2_WARM", 1 << 20), ("wat", "ATTN_L2_WARM_AT", 1),
-                                 ("wl", "ATTN_L2_WARM_LINES", 1)):
-            if f.startswith(pre) and f[len(pre):].isdigit():
-                setattr(dtr, name, int(f[len(pre):]) * scale)
-        if f == "wnorm":
-            dtr.ATTN_L2_WARM_LAST = False
-        if f == "kvef":
-            dtr.ATTN_KV_EVICT_FIRST = True
+        if f.startswith("aw") and f[2:].isdigit():
+            dtr.ATTN_WARPS = int(f[2:])
         if f in ("pdl0", "pdl1", "pdl2", "pdl3"):
             dtr.PDL = int(f[3])
         for pre, names in (("pf", ("PDL_PREFETCH", "PDL_PREFETCH_ATTN")), ("pfl", ("PDL_PREFETCH",)),

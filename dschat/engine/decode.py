@@ -309,13 +309,6 @@ class _DecodeBlock:
         kernel where Triton is allowed."""
         (decode_triton.rope_ if self.use_triton else decode_triton.rope_ref_)(x, cos, sin)
 
-    # the layer's weights read after its attention, in order (what the decode attention may
-    # ask L2 for while it streams the K/V cache: decode_triton.ATTN_L2_WARM)
-    AFTER_ATTENTION = ("dense", "fc1", "fc2")
-
-    def after_attention(self, li: int) -> list:
-        return [self.layers[li][name][0] for name in self.AFTER_ATTENTION]
-
     def norms(self, x):
         """The fused add+norm for this tensor (the Triton one only for 2-D decode tensors)."""
         return self.add_norm if x.dim() == 2 else add_norm_ref
@@ -446,7 +439,7 @@ class _BloomBlock(_DecodeBlock):
             qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
                 return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
-                                                      new_kv=qkv[:, :, 1:3], warm=self.after_attention(li))
+                                                      new_kv=qkv[:, :, 1:3])
             kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
             return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl,
                                   pos)
@@ -459,8 +452,6 @@ class _BloomBlock(_DecodeBlock):
 class _OPTBlock(_DecodeBlock):
     """OPT: learned positions (offset 2, from the mask cumsum), pre- or post-LN layers,
     optional project_in/out; Q/K/V fused into one derived weight when fuse_qkv."""
-
-    AFTER_ATTENTION = ("o", "fc1", "fc2")
 
     @classmethod
     def unsupported_reason(cls, model, config, max_total_len):
@@ -579,8 +570,7 @@ class _OPTBlock(_DecodeBlock):
             qkv = self._qkv(h, self.layers[li])                  # [B, 3, H, D]
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
                 return decode_triton.decode_attention(qkv[:, 0].unsqueeze(2), kv[li], bias, pos, self.scale,
-                                                      new_kv=qkv[:, 1:3].transpose(1, 2),
-                                                      warm=self.after_attention(li))
+                                                      new_kv=qkv[:, 1:3].transpose(1, 2))
             kv[li].index_copy_(2, pos, qkv[:, 1:3].transpose(1, 2).unsqueeze(2))
             return _attend_decode(qkv[:, 0].unsqueeze(2), kv[li], Lb, bias, self.scale,
                                   self.attn_impl, pos)
@@ -603,7 +593,6 @@ class _LlamaBlock(_DecodeBlock):
     """LLaMA / Mistral / Qwen2: RMSNorm, rotary positions from the mask cumsum as HF generate
     builds them, grouped-query attention, gated MLP; Q/K/V fused when fuse_qkv."""
 
-    AFTER_ATTENTION = ("o", "gate", "up")
     STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
     @classmethod
@@ -742,8 +731,7 @@ class _LlamaBlock(_DecodeBlock):
             q = qkv[:, :Hq].view(B, Hkv, Hq // Hkv, D)
             new_kv = qkv[:, Hq:].view(B, 2, Hkv, D).transpose(1, 2)  # [B, Hkv, 2, D]
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
-                return decode_triton.decode_attention(q, kv[li], bias, pos, self.scale, new_kv=new_kv,
-                                                      warm=self.after_attention(li))
+                return decode_triton.decode_attention(q, kv[li], bias, pos, self.scale, new_kv=new_kv)
             kv[li].index_copy_(2, pos, new_kv.unsqueeze(2))
             return _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl, pos)
         return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
@@ -916,7 +904,7 @@ class _GPTNeoXBlock(_DecodeBlock):
             self.rope_(qkv[:, :, 0:2], cos, sin)               # q and k rows, in place
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
                 return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
-                                                      new_kv=qkv[:, :, 1:3], warm=self.after_attention(li))
+                                                      new_kv=qkv[:, :, 1:3])
             kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
             return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl, pos)
         return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)

@@ -118,40 +118,6 @@ if triton is not None:
                                   dtype=tl.int32, is_pure=False, pack=1)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _l2_warm(ptr, n_lines, prog, n_prog, c0, c1, W: tl.constexpr, LINE: tl.constexpr,
-                 LAST: tl.constexpr):
-        """Ask L2 for chunks c0 .. c1 (W lines of 128 bytes each) of this program's share
-        (program prog of n_prog) of a contiguous region of n_lines lines at ptr."""
-        per = tl.cdiv(n_lines, n_prog)
-        lo = prog * per
-        hi = tl.minimum(lo + per, n_lines)
-        for c in range(c0, c1):
-            first = lo + c * W
-            if first < hi:
-                idx = tl.minimum(first + tl.arange(0, W), hi - 1)
-                ptrs = ptr + idx.to(tl.int64) * LINE
-                if LAST:
-                    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
-                                              "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-                else:
-                    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-                                              "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _l2_warm_regions(w0, n0, w1, n1, w2, n2, prog, n_prog, c0, c1, NW: tl.constexpr,
-                         W: tl.constexpr, LINE: tl.constexpr, LAST: tl.constexpr):
-        """_l2_warm over the NW (0-3) regions in turn."""
-        if NW > 0:
-            _l2_warm(w0, n0, prog, n_prog, c0, c1, W, LINE, LAST)
-        if NW > 1:
-            _l2_warm(w1, n1, prog, n_prog, c0, c1, W, LINE, LAST)
-        if NW > 2:
-            _l2_warm(w2, n2, prog, n_prog, c0, c1, W, LINE, LAST)
-
-
 def _prefetch_count(limit: int, floor: int) -> int:
     """PDL mode 3's prefetch length along a row: the largest power of two <= limit, at
     least `floor` (one 128-byte line)."""
@@ -439,17 +405,6 @@ FUSE_KV_WRITE = True
 # False: such models decode with baddbmm. H200, bloom-3b bf16 batch 16: 3.04 against 3.77
 # ms/step (RESULTS_decode.md run 9); the GPU kernel test has a head_dim-80 shape.
 ATTN_PAD_HEAD_DIM = True
-# While the decode attention streams the K/V cache it leaves DRAM bandwidth idle (one
-# bloom-7b1 layer at 385 keys reads its K/V at ~3.2 of the 4.2 TB/s a copy reaches, RESULTS_decode
-# run 5): its programs also ask L2 (PTX prefetch.global.L2, a hint that holds no registers)
-# for the weights the layer reads next - the attention output projection, then the MLP's -
-# up to ATTN_L2_WARM bytes, so those linears read them from L2 instead of DRAM. Weights are
-# never written inside a decode step, so the hint may run before the PDL wait. 0: off.
-ATTN_L2_WARM = 0
-ATTN_L2_WARM_AT = 3          # 1: before the PDL wait; 2: after it; 3: one chunk per key block
-ATTN_L2_WARM_LINES = 64      # 128-byte lines per chunk and program
-ATTN_L2_WARM_LAST = True     # the hint's L2 priority: evict_last (else evict_normal)
-ATTN_KV_EVICT_FIRST = False  # the K/V loads marked evict_first (they are read once per step)
 
 
 def decode_attention_ref(q, kv, key_bias, pos, scale: float):
@@ -478,18 +433,24 @@ if triton is not None:
         return mask
 
     @triton.jit
-    def _attn_block(q, kv_base, b_base, n0, end, m_i, l_i, acc, scale, skv_l, gmask, offs_d,
-                    D: tl.constexpr, BLOCK_N: tl.constexpr, GP: tl.constexpr, DOT: tl.constexpr,
-                    INTERP: tl.constexpr, DP: tl.constexpr, EVP: tl.constexpr):
-        """Online-softmax update with keys n0 .. n0+BLOCK_N (those < end). q [GP, D] in the
-        cache dtype when DOT (tensor-core dots; GP >= 16 rows, the padding rows zero), else fp32."""
+    def _attn_load(kv_base, b_base, n0, end, skv_l, gmask, offs_d, D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DP: tl.constexpr):
+        """Keys, values [BLOCK_N, DP] and per-key bias [GP, BLOCK_N] of slots n0 .. n0+BLOCK_N
+        (those < end), in the cache dtype."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
         kmask = _lanes(valid[:, None], offs_d, D, DP)
-        k = tl.load(kv_base + offs_n[:, None] * skv_l + offs_d[None, :], mask=kmask, other=0.0,
-                    eviction_policy=EVP)
-        v = tl.load(kv_base + offs_n[:, None] * skv_l + D + offs_d[None, :],
-                    mask=kmask, other=0.0, eviction_policy=EVP).to(tl.float32)
+        k = tl.load(kv_base + offs_n[:, None] * skv_l + offs_d[None, :], mask=kmask, other=0.0)
+        v = tl.load(kv_base + offs_n[:, None] * skv_l + D + offs_d[None, :], mask=kmask, other=0.0)
+        kb = tl.load(b_base[:, None] + offs_n[None, :], mask=gmask[:, None] & valid[None, :], other=0.0)
+        return k, v, kb
+
+    @triton.jit
+    def _attn_update(q, k, v, kb, n0, end, m_i, l_i, acc, scale, BLOCK_N: tl.constexpr,
+                     GP: tl.constexpr, DOT: tl.constexpr, INTERP: tl.constexpr):
+        """Online-softmax update with the block `_attn_load` read at n0. q [GP, D] in the
+        cache dtype when DOT (tensor-core dots; GP >= 16 rows, the padding rows zero), else fp32."""
+        valid = n0 + tl.arange(0, BLOCK_N) < end
         if DOT:
             # bf16/fp16 q.K^T with fp32 accumulation (exact products), then p.V in TF32
             if INTERP:                # Triton's CPU interpreter gets bf16 dots wrong (3.9)
@@ -500,13 +461,13 @@ if triton is not None:
             s = tl.sum(k.to(tl.float32) * tl.sum(q, axis=0)[None, :], axis=1)[None, :] * scale
         else:
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale   # [GP, BLOCK_N]
-        s += tl.load(b_base[:, None] + offs_n[None, :],
-                     mask=gmask[:, None] & valid[None, :], other=0.0).to(tl.float32)
+        s += kb.to(tl.float32)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = v.to(tl.float32)
         if DOT:
             pv = tl.dot(p, v, input_precision="ieee" if INTERP else "tf32")
         elif GP == 1:
@@ -545,25 +506,16 @@ if triton is not None:
     def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, new_ptr,
                            count_ptr, Hkv, chunk, scale,
                            sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h, sn_b, sn_h, sn_v,
-                           w0, wn0, w1, wn1, w2, wn2,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
                            FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr, DOT: tl.constexpr,
                            GS: tl.constexpr, PDL: tl.constexpr, PF_N: tl.constexpr,
-                           LINE: tl.constexpr, DP: tl.constexpr, EVP: tl.constexpr,
-                           WARM: tl.constexpr, NW: tl.constexpr, WL: tl.constexpr,
-                           WLAST: tl.constexpr, WLINE: tl.constexpr):
+                           LINE: tl.constexpr, DP: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
         h = bh % Hkv
         start = split * chunk
-        # L2 warming of the next weights (ATTN_L2_WARM): this program's share, in chunks
-        prog = bh * SPLITS + split
-        n_prog = tl.num_programs(0) * SPLITS
-        n_chunks = tl.cdiv(tl.cdiv(tl.maximum(tl.maximum(wn0, wn1), wn2), n_prog), WL)
-        if WARM == 1:
-            _l2_warm_regions(w0, wn0, w1, wn1, w2, wn2, prog, n_prog, 0, n_chunks, NW, WL, WLINE, WLAST)
         if PDL == 3 and PF_N > 0:
             # cached slots before pos are never written in this step (pos was set by the
             # previous step): ask L2 for this program's first PF_N of them before waiting
@@ -571,8 +523,6 @@ if triton is not None:
             slots = tl.minimum(start + tl.arange(0, PF_N), last)
             _l2_prefetch_rows(kv_ptr + b * skv_b + h * skv_h, slots, skv_l, 0, 2 * D, 2 * DP, LINE)
         _pdl_enter(PDL)
-        if WARM == 2:
-            _l2_warm_regions(w0, wn0, w1, wn1, w2, wn2, prog, n_prog, 0, n_chunks, NW, WL, WLINE, WLAST)
         n_keys = tl.load(pos_ptr) + 1                 # slots 0..pos, read on the device
         if FUSED:                                     # slot pos comes from new_ptr, below
             end = tl.minimum(start + chunk, n_keys - 1)
@@ -608,19 +558,15 @@ if triton is not None:
         if WHILE:                                     # Triton's CPU interpreter path
             n0 = start
             while n0 < end:
-                m_i, l_i, acc = _attn_block(qb, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
-                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE, DP, EVP)
+                k, v, kb = _attn_load(kv_base, b_base, n0, end, skv_l, gmask, offs_d, D, BLOCK_N, DP)
+                m_i, l_i, acc = _attn_update(qb, k, v, kb, n0, end, m_i, l_i, acc, scale, BLOCK_N, GP,
+                                             DOT, WHILE)
                 n0 += BLOCK_N
         else:
-            c = 0
             for n0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _attn_block(qb, kv_base, b_base, n0, end, m_i, l_i, acc, scale,
-                                            skv_l, gmask, offs_d, D, BLOCK_N, GP, DOT, WHILE, DP, EVP)
-                if WARM == 3:
-                    _l2_warm_regions(w0, wn0, w1, wn1, w2, wn2, prog, n_prog, c, c + 1, NW, WL, WLINE, WLAST)
-                c += 1
-            if WARM == 3:                             # chunks the key loop did not reach
-                _l2_warm_regions(w0, wn0, w1, wn1, w2, wn2, prog, n_prog, c, n_chunks, NW, WL, WLINE, WLAST)
+                k, v, kb = _attn_load(kv_base, b_base, n0, end, skv_l, gmask, offs_d, D, BLOCK_N, DP)
+                m_i, l_i, acc = _attn_update(qb, k, v, kb, n0, end, m_i, l_i, acc, scale, BLOCK_N, GP,
+                                             DOT, WHILE)
         if FUSED:
             if own_new:
                 s_new = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1) * scale + kb_new
@@ -661,9 +607,10 @@ if triton is not None:
 
 
 def _splits(B: int, Hkv: int, L: int, block_n: int, programs: int = 1024) -> int:
-    """About `programs` programs (1024: 8 per SM of an H200), each with at least one key
-    block: the sweep's best at batch 16 and 64 for head_dim 64 (4 and 1 splits) and 128 (2);
-    with the tensor-core dots 512 (1 split at bloom-7b1 batch 16)."""
+    """About `programs` programs, each with at least one key block: 2048 for the one-warp
+    GEMV programs at head_dim <= 64 (8 splits at bloom-560m batch 16), else 1024 (2 splits at
+    head_dim 128 batch 16, run 4's sweep); with the tensor-core dots 512 (1 split at
+    bloom-7b1 batch 16)."""
     if ATTN_SPLITS is not None:
         return ATTN_SPLITS
     s = 1
@@ -672,15 +619,23 @@ def _splits(B: int, Hkv: int, L: int, block_n: int, programs: int = 1024) -> int
     return s
 
 
-def _block_n(D: int) -> int:
-    return ATTN_BLOCK_N or (128 if D <= 64 else 64)
+def _small_gemv(D: int, GP: int) -> bool:
+    """One query head per K/V head at head_dim <= 64 (Bloom, OPT, GPT-2 shapes): one-warp
+    programs over 32-key blocks. H200, bloom-560m bf16 batch 16 (RESULTS_decode run 10):
+    1.020 -> 0.970 ms/step against 2 warps over 128-key blocks, which ptxas gives 255
+    registers and spills (4 programs per SM) where one warp needs 80."""
+    return GP == 1 and D <= 64
+
+
+def _block_n(D: int, GP: int = 1) -> int:
+    return ATTN_BLOCK_N or (32 if _small_gemv(D, GP) else 128 if D <= 64 else 64)
 
 
 def _warps(block_n: int, D: int, GP: int) -> int:
     if ATTN_WARPS:
         return ATTN_WARPS
-    if GP == 1:      # 2 beat 4 and 8 at every shape of the sweep (fewer idle lanes per GEMV)
-        return 2
+    if GP == 1:      # fewer idle lanes per GEMV: 2 beat 4 and 8 at every shape of run 4's sweep
+        return 1 if _small_gemv(D, GP) else 2
     return 8 if block_n * D * GP >= 8192 else 4   # grouped queries: not swept
 
 
@@ -710,31 +665,12 @@ def write_kv_ref(kv, new_kv, pos) -> None:
     kv.index_copy_(2, pos, new_kv.unsqueeze(2))
 
 
-def _warm_regions(tensors, budget: int) -> list:
-    """(tensor, 128-byte lines) for up to three of `tensors` in order, until `budget` bytes;
-    the last one may be warmed in part. Only densely stored ones of the first one's element
-    size (the kernel steps through them in lines of 128 bytes of that size's elements)."""
-    out = []
-    for t in tensors or ():
-        if t is None or budget <= 0 or len(out) == 3:
-            continue
-        if not (t.is_contiguous() or (t.dim() == 2 and t.t().is_contiguous())):
-            continue
-        if out and t.element_size() != out[0][0].element_size():
-            continue
-        nbytes = min(t.numel() * t.element_size(), budget)
-        out.append((t, -(-nbytes // 128)))
-        budget -= nbytes
-    return out
-
-
-def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, warm=None):
+def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
     """Triton flash-decoding over slots 0..pos read from the device (so one CUDA graph
     serves every step): split-K programs, then a combine kernel when split.
 
     `new_kv` [B, Hkv, 2, D] (any strides but a contiguous last dim): this step's K/V,
-    written into slot pos by the kernel itself (else the caller must have written it).
-    `warm`: the weights read next, in order, which the kernel asks L2 for (ATTN_L2_WARM)."""
+    written into slot pos by the kernel itself (else the caller must have written it)."""
     fallback = triton is None or (q.device.type != "cuda" and not _interpreting())
     B, Hkv, G, D = q.shape
     L = kv.shape[2]
@@ -754,8 +690,8 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, warm=None)
     dot = (D >= 128 if ATTN_DOT is None else ATTN_DOT) and (_interpreting() or (
         kv.dtype in (torch.bfloat16, torch.float16) and _tensor_core_tf32(kv.device)))
     GP = max(16, GS) if dot else GS
-    bn = (ATTN_BLOCK_N or 32) if dot else _block_n(D)
-    S = _splits(B, Hkv, L, bn, 512 if dot else 1024)
+    bn = (ATTN_BLOCK_N or 32) if dot else _block_n(D, GP)
+    S = _splits(B, Hkv, L, bn, 512 if dot else 2048 if _small_gemv(D, GP) else 1024)
     chunk = _even_chunks(L, S, bn)[0]          # S programs per row even where some get no keys
     out = torch.empty(B, Hkv * G * D, dtype=q.dtype, device=q.device)
     if S > 1:
@@ -777,20 +713,13 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, warm=None)
         pf_n = _prefetch_count(min(chunk, PDL_PREFETCH_ATTN // (2 * D * kv.element_size())), 1)
     inline = count is not None
     count = count if inline else m
-    regions = _warm_regions(warm, ATTN_L2_WARM) if pdl else []   # (Hopper+, compiled kernels)
-    wargs = []
-    for i in range(3):
-        wargs += list(regions[i]) if i < len(regions) else [q, 0]
     _attn_split_kernel[(B * Hkv, S)](
         q, kv, key_bias, pos, out, m, l, acc, new, count, Hkv, chunk, float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
-        *wargs,
         G=G, GP=GP, D=D, DP=DP, BLOCK_N=bn,
         SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
-        PDL=pdl, PF_N=pf_n, LINE=line, EVP="evict_first" if ATTN_KV_EVICT_FIRST else "",
-        WARM=ATTN_L2_WARM_AT if regions else 0, NW=len(regions), WL=ATTN_L2_WARM_LINES,
-        WLAST=ATTN_L2_WARM_LAST, WLINE=128 // (regions[0][0].element_size() if regions else 2),
+        PDL=pdl, PF_N=pf_n, LINE=line,
         num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages,
         **_pdl_launch(pdl))
     if S > 1 and not inline:
