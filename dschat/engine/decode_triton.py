@@ -150,7 +150,8 @@ def hf_gelu_ref(y):
 if triton is not None:
 
     @triton.jit
-    def _hf_gelu_kernel(y_ptr, o_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    def _hf_gelu_kernel(y_ptr, o_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         x = tl.load(y_ptr + offs, mask=m, other=0.0)
@@ -201,30 +202,29 @@ if triton is not None:
         tl.store(o_ptr + offs, (a * h).to(dt), mask=m)
 
 
-def new_gelu(y):
-    """`new_gelu_ref` in one kernel (contiguous CUDA tensors; else the reference): one launch
-    instead of PyTorch's eight per decode layer."""
+def _eager_elementwise(kernel, ref, y, pdl: bool):
+    """ref(y) through `kernel` (one program per 1024 elements) for contiguous CUDA tensors,
+    else ref itself. No multiply-add contraction, so that every op rounds on its own as in
+    eager PyTorch (in fp32 the kernels' casts to y's dtype do not separate the ops)."""
     if triton is None or not y.is_contiguous() or (y.device.type != "cuda" and not _interpreting()):
-        return new_gelu_ref(y)
+        return ref(y)
     out = torch.empty_like(y)
     n = y.numel()
-    pdl = _pdl_mode(y.device)
-    # no multiply-add contraction: every op rounds on its own, as in eager PyTorch
-    _new_gelu_kernel[(triton.cdiv(n, 1024),)](y, out, n, BLOCK=1024, LIBDEVICE=not _interpreting(),
-                                              PDL=pdl, num_warps=4, enable_fp_fusion=False,
-                                              **_pdl_launch(pdl))
+    mode = _pdl_mode(y.device) if pdl else 0
+    kernel[(triton.cdiv(n, 1024),)](y, out, n, BLOCK=1024, LIBDEVICE=not _interpreting(), PDL=mode,
+                                    num_warps=4, enable_fp_fusion=False, **_pdl_launch(mode))
     return out
+
+
+def new_gelu(y):
+    """`new_gelu_ref` in one kernel: one launch instead of PyTorch's eight per decode layer."""
+    return _eager_elementwise(_new_gelu_kernel, new_gelu_ref, y, pdl=True)
 
 
 def hf_gelu(y):
-    """`hf_gelu_ref` in one kernel (contiguous CUDA tensors; else the reference)."""
-    if triton is None or not y.is_contiguous() or (y.device.type != "cuda" and not _interpreting()):
-        return hf_gelu_ref(y)
-    out = torch.empty_like(y)
-    n = y.numel()
-    _hf_gelu_kernel[(triton.cdiv(n, 1024),)](y, out, n, BLOCK=1024, LIBDEVICE=not _interpreting(),
-                                             num_warps=4)
-    return out
+    """`hf_gelu_ref` in one kernel (numerics "hf"; launched without programmatic dependent
+    launch, which was not measured with it)."""
+    return _eager_elementwise(_hf_gelu_kernel, hf_gelu_ref, y, pdl=False)
 
 
 if triton is not None:

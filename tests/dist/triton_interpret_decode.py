@@ -169,8 +169,9 @@ def check_linears():
             torch.testing.assert_close(dt.gated_mlp(x, wg, bg, wu, bu), dt.gated_ref(x, wg, bg, wu, bu),
                                        atol=1e-4, rtol=1e-4)
     dt.LINEAR_FORCE = None
-    y = torch.randn(5, 333, generator=gen) * 3         # GPT-2's gelu_new in one kernel
+    y = torch.randn(5, 333, generator=gen) * 3         # GPT-2's gelu_new, Bloom's GELU in one kernel
     torch.testing.assert_close(dt.new_gelu(y), dt.new_gelu_ref(y), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dt.hf_gelu(y), dt.hf_gelu_ref(y), atol=1e-5, rtol=1e-5)
     # split-K partials summed by the add+norm kernel (+ the linear's bias) == add_norm(F.linear)
     for M, N, K in [(3, 40, 70), (16, 96, 256)]:
         for splits, bn, bk, *ws in ((1, 16, 32), (2, 32, 32), (3, 16, 16), (8, 16, 32, 8, 4)):
