@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
 # on the GPU machine with the wheels of ../shared/tools/device_wheels.sh in .whl/:
-#   bash benchmarks/device_run.sh gen|step3|decode OUT_DIR
+#   bash benchmarks/device_run.sh gen|step3|decode|profile7b OUT_DIR
 # decode: the attention and linear kernel sweeps, then the off-by-default candidates end to end
+# profile7b: where the bloom-7b1 step goes over the whole run (graph-replay profile of all 256
+#   steps), then the attention sweep at that model's shape and mean key count
 set -uo pipefail
 what=${1:-gen}; out=${2:-/tmp/bench_out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
@@ -17,6 +19,10 @@ elif [ "$what" = decode ]; then
   python3 benchmarks/attn_bench.py --out "$out" 2>&1 | grep -v -i warn
   python3 benchmarks/linear_bench.py --out "$out" 2>&1 | grep -v -i warn
   python3 benchmarks/decode_bench.py --plan candidates --profile bloom-560m --out "$out" 2>&1 | grep -v -i warn
+elif [ "$what" = profile7b ]; then
+  python3 benchmarks/decode_bench.py --plan bloom-7b1:bf16:16 --numerics fast --profile bloom-7b1 \
+    --profile-steps 256 --out "$out" 2>&1 | grep -v -i warn
+  python3 benchmarks/attn_bench.py --shapes "bloom-7b1 B16" --pos 384 --out "$out" 2>&1 | grep -v -i warn
 else
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --profile_step 4 --out "$out/step3.md" 2>&1 | grep -v -i warn
 fi
