@@ -74,3 +74,24 @@ def test_decode_bench_smoke_every_family(tmp_path):
     for r in rows:
         assert "error" not in r, r
         assert r["frac_identical"] == 1.0 and r["mean_first_divergence"] == 256.0, r
+
+
+def test_decode_bench_variant_sets_and_restores_switches():
+    """A variant's flags set the decode module switches inside `variant()` and every one is
+    put back afterwards, also when the run fails (the next variant of a side-by-side table
+    must not inherit them)."""
+    spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    dtr = bench.decode.decode_triton
+    before = {name: getattr(mod, name) for mod, name in bench._KNOBS}
+    with bench.variant("fast:triton:s2:bn64:aw1:cublas:pdl1:pfa16:nogated") as (numerics, attn, flags):
+        assert (numerics, attn) == ("fast", "triton")
+        assert (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, dtr.ATTN_WARPS) == (2, 64, 1)
+        assert (dtr.DECODE_LINEAR, dtr.PDL, dtr.PDL_PREFETCH_ATTN, dtr.FUSE_GATED) == (False, 1, 16 * 1024, False)
+    assert {name: getattr(mod, name) for mod, name in bench._KNOBS} == before
+    with pytest.raises(RuntimeError):
+        with bench.variant("fast:s8:aw2"):
+            assert dtr.ATTN_SPLITS == 8
+            raise RuntimeError("a run that fails")
+    assert {name: getattr(mod, name) for mod, name in bench._KNOBS} == before
