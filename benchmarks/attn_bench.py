@@ -91,10 +91,9 @@ def main():
         kv_bytes = B * H * (pos + 1) * 2 * D * 2
         kv[:, :, pos] = new
         ref = dt.decode_attention_ref(q, kv, bias, p, scale).float()
-        # copies of the cache cycled through, > 128 MB together, so that L2 (50 MB on an H200)
-        # holds none of them when it comes round again, as in a decode step over all layers
-        n_copies = min(8, -(-(128 << 20) // (kv.numel() * kv.element_size())))
-        caches = itertools.cycle([kv] + [kv.clone() for _ in range(n_copies - 1)])
+        # copies of the cache cycled through, larger than L2 together (as the decode linears'
+        # timing cycles its weights), as in a decode step over all layers
+        caches = itertools.cycle(dt._weight_copies(kv)[0])
         Lb = min(L, ((pos + 1 + 63) // 64) * 64)        # the bmm path's length bucket
         variants = [("bmm (bucket %d)" % Lb, dict(impl="bmm"))]
         for splits, bn, warps, stages, fused in itertools.product(

@@ -150,6 +150,17 @@ def hf_gelu_ref(y):
 if triton is not None:
 
     @triton.jit
+    def _one_plus_tanh(f, dt, LIBDEVICE: tl.constexpr):
+        """1 + tanh(f) as the tanh GELUs' eager ops give it: tanh rounded to dt, then the sum
+        rounded to dt (returned in fp32)."""
+        if LIBDEVICE:                 # tanhf, as PyTorch's CUDA tanh kernel
+            g = libdevice.tanh(f)
+        else:                         # Triton's CPU interpreter has no libdevice
+            g = 2.0 / (1.0 + tl.exp(-2.0 * f)) - 1.0
+        g = g.to(dt).to(tl.float32)
+        return (1.0 + g).to(dt).to(tl.float32)
+
+    @triton.jit
     def _hf_gelu_kernel(y_ptr, o_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -163,13 +174,7 @@ if triton is not None:
         d = (c * x).to(dt).to(tl.float32)
         e = (1.0 + d).to(dt).to(tl.float32)
         f = (b * e).to(dt).to(tl.float32)
-        if LIBDEVICE:                 # tanhf, as PyTorch's CUDA tanh kernel
-            g = libdevice.tanh(f)
-        else:                         # Triton's CPU interpreter has no libdevice
-            g = 2.0 / (1.0 + tl.exp(-2.0 * f)) - 1.0
-        g = g.to(dt).to(tl.float32)
-        h = (1.0 + g).to(dt).to(tl.float32)
-        tl.store(o_ptr + offs, (a * h).to(dt), mask=m)
+        tl.store(o_ptr + offs, (a * _one_plus_tanh(f, dt, LIBDEVICE)).to(dt), mask=m)
 
 
 def new_gelu_ref(y):
@@ -192,12 +197,7 @@ if triton is not None:
         c = (0.044715 * p).to(dt).to(tl.float32)
         s = (x + c).to(dt).to(tl.float32)
         f = (0.7978845608028654 * s).to(dt).to(tl.float32)
-        if LIBDEVICE:
-            g = libdevice.tanh(f)
-        else:
-            g = 2.0 / (1.0 + tl.exp(-2.0 * f)) - 1.0
-        g = g.to(dt).to(tl.float32)
-        h = (1.0 + g).to(dt).to(tl.float32)
+        h = _one_plus_tanh(f, dt, LIBDEVICE)
         a = (0.5 * x).to(dt).to(tl.float32)
         tl.store(o_ptr + offs, (a * h).to(dt), mask=m)
 
@@ -1052,9 +1052,10 @@ def _graph_us(fn, n_calls: int) -> float:
 
 
 def _weight_copies(w) -> tuple[list, int]:
-    """(copies, n_calls) to time a linear on: distinct copies of w cycled through, > 128 MB
-    together, so that L2 (50 MB on an H200) holds none of them when it comes round again,
-    as in a real step; n_calls per timed graph replay."""
+    """(copies, n_calls) to time a linear on (benchmarks/attn_bench.py: the attention, on
+    copies of its K/V cache): distinct copies of w cycled through, > 128 MB together, so
+    that L2 (50 MB on an H200) holds none of them when it comes round again, as in a real
+    step; n_calls per timed graph replay."""
     ws = w if isinstance(w, tuple) else (w,)             # the gated MLP times two weights
     nbytes = sum(t.numel() * t.element_size() for t in ws)
     n = min(16, -(-(128 << 20) // nbytes))
