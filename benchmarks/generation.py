@@ -32,6 +32,10 @@ PRESETS = {
     "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
                      max_position_embeddings=4096),
+    # TinyLlama-1.1B's shape: grouped-query attention (4 K/V heads), small enough for a one-GPU step 3
+    "tinyllama-1.1b": dict(model_type="llama", vocab_size=32000, hidden_size=2048, num_hidden_layers=22,
+                           num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632,
+                           max_position_embeddings=2048),
     "gpt2-xl": dict(model_type="gpt2", vocab_size=50257, n_embd=1600, n_layer=48, n_head=25, n_positions=1024),
     "pythia-1.4b": dict(model_type="gpt_neox", vocab_size=50304, hidden_size=2048, num_hidden_layers=24,
                         num_attention_heads=16, intermediate_size=8192, rotary_pct=0.25,
