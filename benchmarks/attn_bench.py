@@ -80,6 +80,7 @@ def main():
                 del SHAPES[name]
     dtype = torch.bfloat16
     rows = []
+    saved_pv_low = dt.ATTN_PV_LOW
     for (name, (B, H, D, L)), pos in itertools.product(SHAPES.items(), args.pos):
         torch.manual_seed(0)
         q = torch.randn(B, H, 1, D, device=dev, dtype=dtype)
@@ -120,11 +121,15 @@ def main():
             variants.append((f"triton dot s{splits or 'rule'} bn{bn} w{warps} st{stages or '-'}",
                              dict(impl="triton", splits=splits, bn=bn, warps=warps, stages=stages, fused=True,
                                   dot=True)))
+        for bn, stages in itertools.product((32, 64), (None, 4)):   # p.V with p rounded to the cache dtype
+            variants.append((f"triton dot pvlow srule bn{bn} w4 st{stages or '-'}",
+                             dict(impl="triton", splits=None, bn=bn, warps=4, stages=stages, fused=True, dot=True,
+                                  pvlow=True)))
         variants.append(("triton rule, K/V written apart", dict(impl="triton", splits=None, bn=None, warps=None,
                                                                 stages=None, fused=False)))
         if args.smoke:
             variants = (variants[:2] + [v for v in variants if "rule" in v[0] and "dot" not in v[0]]
-                        + [v for v in variants if "dot" in v[0]][:1])
+                        + [v for v in variants if "dot" in v[0]][:1] + [v for v in variants if "pvlow" in v[0]][:1])
         if args.filter:
             variants = [v for v in variants if v[0].startswith("bmm") or any(f in v[0] for f in args.filter)]
         for label, v in variants:
@@ -141,6 +146,7 @@ def main():
                     dt.ATTN_WARPS, dt.ATTN_STAGES = v["warps"], v["stages"]
                     dt.ATTN_INLINE_COMBINE = v.get("inline", False)
                     dt.ATTN_DOT = v.get("dot", False)
+                    dt.ATTN_PV_LOW = v.get("pvlow", False)
                     if v["fused"]:
                         def fn():
                             return dt.decode_attention(q, next(caches), bias, p, scale, new_kv=new)
@@ -156,7 +162,7 @@ def main():
                 rows.append(dict(shape=name, pos=pos, variant=label, us=float("nan"), tb_s=0.0,
                                  err=float("nan"), error=f"{type(exc).__name__}: {str(exc)[:120]}"))
         dt.ATTN_SPLITS, dt.ATTN_BLOCK_N, dt.ATTN_WARPS, dt.ATTN_STAGES = None, None, None, None
-        dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = False, None
+        dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT, dt.ATTN_PV_LOW = False, None, saved_pv_low
         best = sorted((r for r in rows if r["shape"] == name and r["pos"] == pos and r["us"] == r["us"]),
                       key=lambda r: r["us"])[:8]
         print(f"{name} pos {pos}: " + "; ".join(f"{r['variant']} {r['us']:.2f}us" for r in best), flush=True)

@@ -338,6 +338,14 @@ def test_triton_kernels_match_reference(monkeypatch):
                     torch.testing.assert_close(got_x.float(), want, atol=tol, rtol=tol)
                     monkeypatch.setattr(dt, "ATTN_WARPS", None)
                     monkeypatch.setattr(dt, "ATTN_BLOCK_N", None)
+                # the tensor-core kernel's other p.V rounding (ATTN_PV_LOW) than the default
+                if D >= 128 and dtype == torch.bfloat16:
+                    monkeypatch.setattr(dt, "ATTN_PV_LOW", not dt.ATTN_PV_LOW)
+                    kv_x = kv.clone()
+                    got_x = dt.decode_attention(q, kv_x, kb, pos, 0.1, new_kv=new)
+                    assert torch.equal(kv_x, kv_ref)
+                    torch.testing.assert_close(got_x.float(), want, atol=tol, rtol=tol)
+                    monkeypatch.setattr(dt, "ATTN_PV_LOW", not dt.ATTN_PV_LOW)
         # decode linears: every Triton candidate, and "auto"'s timed choice, against F.linear,
         # in the default programmatic-dependent-launch mode and with the weight prefetch (2)
         for (M, N, K), dt.PDL in itertools.product([(16, 1024, 4096), (1, 3072, 1024)], (None, 1, 2)):

@@ -395,6 +395,12 @@ ATTN_STAGES: "int | None" = None       # software-pipelining stages of the key l
 # 35.1 us; decode step 4.99 vs 5.11 ms, llama-7b 5.50 vs 5.67; at head_dim 64 it was slower,
 # bloom-560m 1.29 vs 1.10 ms). Batch 1 and 64 at head_dim 128 with it: not timed.
 ATTN_DOT: "bool | None" = None
+# With the dots: p.V with the probabilities rounded to the cache dtype (bf16/fp16 products,
+# exact in the fp32 accumulator), as HF's eager attention rounds its fp32 softmax to the value
+# dtype before its bmm; False: p.V in TF32 with V converted to fp32 first. Off: H200, bf16
+# batch 16 (RESULTS_decode.md run 11), bloom-7b1 5.11 vs 4.98 ms/step (15/16 rows equal HF's
+# against 13/16), llama-7b 4.85 vs 4.86; ptxas gives it 100 registers against 128.
+ATTN_PV_LOW = False
 # The attention kernel writes the step's K/V into the cache itself (one kernel less per
 # layer; the Bloom and OPT blocks, where the decode attention is the Triton one). H200,
 # bloom-560m bf16: 1.311 vs 1.382 ms/step at batch 16, 2.174 vs 2.210 at batch 64
@@ -447,9 +453,10 @@ if triton is not None:
 
     @triton.jit
     def _attn_update(q, k, v, kb, n0, end, m_i, l_i, acc, scale, BLOCK_N: tl.constexpr,
-                     GP: tl.constexpr, DOT: tl.constexpr, INTERP: tl.constexpr):
+                     GP: tl.constexpr, DOT: tl.constexpr, INTERP: tl.constexpr, PV_LOW: tl.constexpr):
         """Online-softmax update with the block `_attn_load` read at n0. q [GP, D] in the
-        cache dtype when DOT (tensor-core dots; GP >= 16 rows, the padding rows zero), else fp32."""
+        cache dtype when DOT (tensor-core dots; GP >= 16 rows, the padding rows zero), else fp32;
+        PV_LOW: p.V with p rounded to the cache dtype (ATTN_PV_LOW)."""
         valid = n0 + tl.arange(0, BLOCK_N) < end
         if DOT:
             # bf16/fp16 q.K^T with fp32 accumulation (exact products), then p.V in TF32
@@ -467,13 +474,18 @@ if triton is not None:
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = v.to(tl.float32)
-        if DOT:
-            pv = tl.dot(p, v, input_precision="ieee" if INTERP else "tf32")
+        if DOT and PV_LOW:
+            p_low = p.to(v.dtype)
+            if INTERP:
+                pv = tl.dot(p_low.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p_low, v)
+        elif DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee" if INTERP else "tf32")
         elif GP == 1:
-            pv = tl.sum(tl.sum(p, axis=0)[:, None] * v, axis=0)[None, :]
+            pv = tl.sum(tl.sum(p, axis=0)[:, None] * v.to(tl.float32), axis=0)[None, :]
         else:
-            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
         return m_new, l_i, acc
 
@@ -510,7 +522,7 @@ if triton is not None:
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
                            FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr, DOT: tl.constexpr,
                            GS: tl.constexpr, PDL: tl.constexpr, PF_N: tl.constexpr,
-                           LINE: tl.constexpr, DP: tl.constexpr):
+                           LINE: tl.constexpr, DP: tl.constexpr, PV_LOW: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
@@ -560,13 +572,13 @@ if triton is not None:
             while n0 < end:
                 k, v, kb = _attn_load(kv_base, b_base, n0, end, skv_l, gmask, offs_d, D, BLOCK_N, DP)
                 m_i, l_i, acc = _attn_update(qb, k, v, kb, n0, end, m_i, l_i, acc, scale, BLOCK_N, GP,
-                                             DOT, WHILE)
+                                             DOT, WHILE, PV_LOW)
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
                 k, v, kb = _attn_load(kv_base, b_base, n0, end, skv_l, gmask, offs_d, D, BLOCK_N, DP)
                 m_i, l_i, acc = _attn_update(qb, k, v, kb, n0, end, m_i, l_i, acc, scale, BLOCK_N, GP,
-                                             DOT, WHILE)
+                                             DOT, WHILE, PV_LOW)
         if FUSED:
             if own_new:
                 s_new = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1) * scale + kb_new
@@ -719,7 +731,7 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
         G=G, GP=GP, D=D, DP=DP, BLOCK_N=bn,
         SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
-        PDL=pdl, PF_N=pf_n, LINE=line,
+        PDL=pdl, PF_N=pf_n, LINE=line, PV_LOW=dot and ATTN_PV_LOW,
         num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages,
         **_pdl_launch(pdl))
     if S > 1 and not inline:

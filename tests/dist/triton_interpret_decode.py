@@ -49,6 +49,9 @@ def check_attention(configs):
 
 
 check_attention(ALL_ATTN)
+dt.ATTN_PV_LOW = True        # the tensor-core kernel's p.V with p rounded to the cache dtype
+check_attention(((1, False, True), (2, True, True)))
+dt.ATTN_PV_LOW = False
 
 
 def _no_reference(*args, **kwargs):
