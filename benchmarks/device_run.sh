@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
 # on the GPU machine with the wheels of ../shared/tools/device_wheels.sh in .whl/:
-#   bash benchmarks/device_run.sh gen|step3|decode|profile7b OUT_DIR
+#   bash benchmarks/device_run.sh gen|step3|step3fam|decode|profile7b OUT_DIR
+# step3fam: step 3 (fast path, 3 steps) with a GPT-NeoX, a LLaMA (grouped-query) and a GPT-2
+#   actor and critic, each at ZeRO-3 on one GPU
 # decode: the attention and linear kernel sweeps, then the off-by-default candidates end to end
 # profile7b: where the bloom-7b1 step goes over the whole run (graph-replay profile of all 256
 #   steps), then the attention sweep at that model's shape and mean key count
@@ -23,6 +25,11 @@ elif [ "$what" = profile7b ]; then
   python3 benchmarks/decode_bench.py --plan bloom-7b1:bf16:16 --numerics fast --profile bloom-7b1 \
     --profile-steps 256 --out "$out" 2>&1 | grep -v -i warn
   python3 benchmarks/attn_bench.py --shapes "bloom-7b1 B16" --pos 384 --out "$out" 2>&1 | grep -v -i warn
+elif [ "$what" = step3fam ]; then
+  for preset in pythia-1.4b tinyllama-1.1b gpt2-xl; do
+    python3 benchmarks/step3.py --preset $preset --modes "ours fast" --steps 3 --warmup 1 \
+      --out "$out/step3_families.md" 2>&1 | grep -v -i warn | tail -4
+  done
 else
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --profile_step 4 --out "$out/step3.md" 2>&1 | grep -v -i warn
 fi

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,7 @@ def write_prompts(path: Path, prompt_len: int, n: int) -> None:
 
 def run_mode(mode, args, actor, critic, prompts, workdir) -> list[dict]:
     out = workdir / mode.replace(" ", "_")
+    shutil.rmtree(out, ignore_errors=True)          # metrics.jsonl appends: no rows of an earlier run
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.num_gpus),
            str(REPO / "training/step3_rlhf_finetuning/main.py"),
            "--actor_model_name_or_path", str(actor), "--critic_model_name_or_path", str(critic),
@@ -127,7 +129,7 @@ def run_mode(mode, args, actor, critic, prompts, workdir) -> list[dict]:
 
 def main(argv=None):
     args = parse_args(argv)
-    workdir = Path(args.workdir)
+    workdir = Path(args.workdir) / args.preset      # the models are built once per preset and kept
     workdir.mkdir(parents=True, exist_ok=True)
     actor, critic = build_models(args.preset, workdir)
     prompts = workdir / "prompts.jsonl"

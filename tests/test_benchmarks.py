@@ -49,6 +49,22 @@ def test_generation_benchmark_modes_agree(tmp_path):
     assert "| tiny-bloom | 2 | ours fast |" in out.with_suffix(".md").read_text()
 
 
+def test_step3_benchmark_runs_and_a_rerun_counts_only_its_own_steps(tmp_path):
+    """step3.py end to end at a tiny shape (one CPU rank, actor and critic at ZeRO-3), twice
+    in the same --workdir: the models are reused, and the second table counts only the second
+    run's steps (the trainer appends to metrics.jsonl)."""
+    args = ["--preset", "tiny-bloom", "--modes", "ours fast", "--warmup", "0", "--batch", "2",
+            "--prompt_len", "16", "--answer_len", "8", "--dtype", "fp32", "--num_gpus", "1",
+            "--workdir", tmp_path / "work"]
+    for steps in (2, 1):
+        out = tmp_path / f"step3_{steps}.md"
+        run_python(REPO / "benchmarks" / "step3.py", args + ["--steps", steps, "--out", out], timeout=600)
+        row = next(line for line in out.read_text().splitlines() if line.startswith("| ours fast |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[-2:] == [str(steps), "0"], row       # steps done, params left gathered
+    assert (tmp_path / "work" / "tiny-bloom" / "actor" / "config.json").exists()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
 @pytest.mark.parametrize("script,stem,tol", [("attn_bench.py", "attn", 1e-2), ("linear_bench.py", "linear", 3e-2),
                                              ("norm_fusion_bench.py", "norm_fusion", 1e-4),

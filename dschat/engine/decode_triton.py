@@ -459,7 +459,8 @@ if triton is not None:
         PV_LOW: p.V with p rounded to the cache dtype (ATTN_PV_LOW)."""
         valid = n0 + tl.arange(0, BLOCK_N) < end
         if DOT:
-            # bf16/fp16 q.K^T with fp32 accumulation (exact products), then p.V in TF32
+            # bf16/fp16 q.K^T with fp32 accumulation (exact products), then p.V in TF32 (PV_LOW:
+            # in the cache dtype, below)
             if INTERP:                # Triton's CPU interpreter gets bf16 dots wrong (3.9)
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
             else:
