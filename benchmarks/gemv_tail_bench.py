@@ -41,6 +41,8 @@ if triton is not None:
     def _queue_part_kernel(x_ptr, w_ptr, p_ptr, cnt_ptr, M, N, K, sx, sw, n_tiles, chunk, n_units,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            PDL: tl.constexpr, PF_K: tl.constexpr, LINE: tl.constexpr):
+        """Unit u (k-chunk u // n_tiles, column tile u % n_tiles): fp32 partial -> p[k-chunk].
+        Program i takes unit i, then n_prog + the counter's next value, until none is left."""
         n_prog = tl.num_programs(0)
         u = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
@@ -71,8 +73,6 @@ if triton is not None:
             tl.atomic_xchg(cnt_ptr, 0)
             tl.atomic_xchg(cnt_ptr + 1, 0)
 
-
-
     @triton.jit
     def _blocked_part_kernel(x_ptr, wb_ptr, p_ptr, M, N, K, sx, chunk,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -88,10 +88,8 @@ if triton is not None:
         tile = BLOCK_N * BLOCK_K
         kb0 = (s * chunk) // BLOCK_K
         base = wb_ptr + (t * (K // BLOCK_K) + kb0).to(tl.int64) * tile
-        if PDL == 3 and PF > 0:
-            pf = base + tl.arange(0, PF // LINE) * LINE
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pf],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+        if PDL == 3 and PF > 0:       # the first PF elements of the range, as one row
+            dt._l2_prefetch_rows(base, tl.zeros([1], tl.int32), 0, 0, PF, PF, LINE)
         dt._pdl_enter(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         w_offs = tl.arange(0, BLOCK_N)[None, :] * BLOCK_K + offs_k[:, None]
@@ -109,7 +107,7 @@ def blocked(w, bn: int, bk: int):
     return w.view(N // bn, bn, K // bk, bk).permute(0, 2, 1, 3).contiguous()
 
 
-def blocked_parts(x, wb, splits: int, bk_stages=None, warps: int = 4):
+def blocked_parts(x, wb, splits: int, stages=None, warps: int = 4):
     """fp32 partials [splits, M, N] of x @ w.T, w given tile-major (see `blocked`)."""
     M, K = x.shape
     nt, kb, bn, bk = wb.shape
@@ -122,7 +120,7 @@ def blocked_parts(x, wb, splits: int, bk_stages=None, warps: int = 4):
     _blocked_part_kernel[(nt, splits)](
         x, wb, parts, M, N, K, x.stride(0), chunk, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
         BLOCK_K=bk, PDL=pdl, PF=(min(dt.PDL_PREFETCH // wb.element_size(), chunk * bn) if pdl == 3 else 0),
-        LINE=line, num_warps=warps, **({"num_stages": bk_stages} if bk_stages else {}), **dt._pdl_launch(pdl))
+        LINE=line, num_warps=warps, **({"num_stages": stages} if stages else {}), **dt._pdl_launch(pdl))
     return parts
 
 
