@@ -65,10 +65,12 @@ if triton is not None:
             tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok)
 
     @triton.jit
-    def _prefetch_first(w_ptr, K, pid, BLOCK_N: tl.constexpr, PF_K: tl.constexpr, LINE: tl.constexpr):
-        """Ask L2 for the first PF_K columns of this program's first tile of w [N, K]."""
+    def _prefetch_first(w_ptr, N, K, pid, BLOCK_N: tl.constexpr, PF_K: tl.constexpr, LINE: tl.constexpr):
+        """Ask L2 for the first PF_K columns of this program's first tile of w [N, K] (rows
+        clamped into w: a program without a tile in this phase asks for its last row)."""
         if PF_K > 0:
-            dt._l2_prefetch_rows(w_ptr, pid * BLOCK_N + tl.arange(0, BLOCK_N), K, 0, K, PF_K, LINE)
+            rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+            dt._l2_prefetch_rows(w_ptr, rows, K, 0, K, PF_K, LINE)
 
     @triton.jit
     def _grid_barrier(cnt_ptr, target):
@@ -100,16 +102,16 @@ if triton is not None:
     @triton.jit
     def _next_weights(j, l, wq, wd, w1, w2, NQ, D, NF, pid, BN_Q: tl.constexpr, BN_D: tl.constexpr,
                       BN_1: tl.constexpr, BN_2: tl.constexpr, PF: tl.constexpr, LINE: tl.constexpr):
-        """L2 prefetch of this program's first bytes of phase j of layer l (PF bytes in all)."""
+        """L2 prefetch of this program's first bytes of phase j of layer l (PF bytes of bf16)."""
         l64 = tl.zeros([], tl.int64) + l
         if j == 0:
-            _prefetch_first(wq + l64 * NQ * D, D, pid, BN_Q, PF // (2 * BN_Q), LINE)
+            _prefetch_first(wq + l64 * NQ * D, NQ, D, pid, BN_Q, PF // (2 * BN_Q), LINE)
         elif j == 1:
-            _prefetch_first(wd + l64 * D * D, D, pid, BN_D, PF // (2 * BN_D), LINE)
+            _prefetch_first(wd + l64 * D * D, D, D, pid, BN_D, PF // (2 * BN_D), LINE)
         elif j == 2:
-            _prefetch_first(w1 + l64 * NF * D, D, pid, BN_1, PF // (2 * BN_1), LINE)
+            _prefetch_first(w1 + l64 * NF * D, NF, D, pid, BN_1, PF // (2 * BN_1), LINE)
         else:
-            _prefetch_first(w2 + l64 * D * NF, NF, pid, BN_2, PF // (2 * BN_2), LINE)
+            _prefetch_first(w2 + l64 * D * NF, D, NF, pid, BN_2, PF // (2 * BN_2), LINE)
 
     @triton.jit
     def _chain_kernel(h_ptr, wq, wd, w1, w2, hq, hd, h1, cnt_ptr, layer, j_one, n_layers, M, NQ, D, NF,
