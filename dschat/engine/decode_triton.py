@@ -231,33 +231,45 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_kernel(y_ptr, r_ptr, x_ptr, h_ptr, w_ptr, b_ptr, lb_ptr, N, eps,
-                         sy, sr, sx, sh, n_parts, s_part, y2_ptr, sy2, h2_ptr, w2_ptr, b2_ptr, eps2,
+                         sy, sr, sx, sh, s_part, y2_ptr, sy2, h2_ptr, w2_ptr, b2_ptr, eps2,
                          BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_B: tl.constexpr,
                          PARTS: tl.constexpr, HAS_LB: tl.constexpr, PDL: tl.constexpr,
-                         Y2: tl.constexpr, SECOND: tl.constexpr):
-        _pdl_enter(PDL)
+                         Y2: tl.constexpr, SECOND: tl.constexpr, N_PARTS: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
+        # Every load is issued before any arithmetic: this kernel is a chain of dependent
+        # L2 round trips otherwise (one per partial, then the residual, then the norm's
+        # weights after its reductions). The norm's and the linear's parameters are never
+        # written inside a decode step, so they are read before the PDL wait.
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_B:
+            nb = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_LB:
+            lb = tl.load(lb_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if SECOND:
+            w2 = tl.load(w2_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            b2 = tl.load(b2_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        _pdl_enter(PDL)
+        r = tl.load(r_ptr + row * sr + cols, mask=m, other=0.0).to(tl.float32)
+        if Y2:
+            y2 = tl.load(y2_ptr + row * sy2 + cols, mask=m, other=0.0).to(tl.float32)
         if PARTS:
-            # y = the fp32 split-K partials of a linear (n_parts slices s_part apart) + its
+            # y = the fp32 split-K partials of a linear (N_PARTS slices s_part apart) + its
             # bias, rounded to the model dtype where the linear's output would have been
             y = tl.zeros([BLOCK], tl.float32)
-            for i in range(0, n_parts):
+            for i in tl.static_range(N_PARTS):
                 y += tl.load(y_ptr + i * s_part + row * sy + cols, mask=m, other=0.0)
             if HAS_LB:
-                y += tl.load(lb_ptr + cols, mask=m, other=0.0).to(tl.float32)
+                y += lb
             y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         else:
             y = tl.load(y_ptr + row * sy + cols, mask=m, other=0.0).to(tl.float32)
         if Y2:                                            # (y + y2) rounded, then + r
-            y2 = tl.load(y2_ptr + row * sy2 + cols, mask=m, other=0.0).to(tl.float32)
             y = (y + y2).to(x_ptr.dtype.element_ty).to(tl.float32)
-        r = tl.load(r_ptr + row * sr + cols, mask=m, other=0.0).to(tl.float32)
         x = (y + r).to(x_ptr.dtype.element_ty)            # the residual stream, rounded as HF's add
         tl.store(x_ptr + row * sx + cols, x, mask=m)
         xf = x.to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         if RMS:
             var = tl.sum(xf * xf, axis=0) / N
             n = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -268,10 +280,9 @@ if triton is not None:
             var = tl.sum(d * d, axis=0) / N
             h = d * tl.rsqrt(var + eps) * w
             if HAS_B:
-                h = h + tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+                h = h + nb
             if SECOND:                                    # a second LayerNorm of the same x
-                h2 = d * tl.rsqrt(var + eps2) * tl.load(w2_ptr + cols, mask=m, other=0.0).to(tl.float32)
-                h2 = h2 + tl.load(b2_ptr + cols, mask=m, other=0.0).to(tl.float32)
+                h2 = d * tl.rsqrt(var + eps2) * w2 + b2
                 tl.store(h2_ptr + row * sh + cols, h2.to(h_ptr.dtype.element_ty), mask=m)
         tl.store(h_ptr + row * sh + cols, h.to(h_ptr.dtype.element_ty), mask=m)
 
@@ -298,13 +309,13 @@ def _launch_add_norm(y, r, w, b, eps: float, rms: bool, parts=None, lin_b=None, 
     _add_norm_kernel[(rows,)](src, r, x, h, w, b if b is not None else w,
                               lin_b if lin_b is not None else w, N, float(eps),
                               src.stride(-2), r.stride(0), x.stride(0), h.stride(0),
-                              parts.shape[0] if parts is not None else 0,
                               parts.stride(0) if parts is not None else 0,
                               y2 if y2 is not None else r, y2.stride(0) if y2 is not None else 0,
                               h2, w2, b2 if b2 is not None else w, float(eps2),
                               BLOCK=block, RMS=bool(rms), HAS_B=b is not None,
                               PARTS=parts is not None, HAS_LB=lin_b is not None, PDL=pdl,
                               Y2=y2 is not None, SECOND=second is not None,
+                              N_PARTS=parts.shape[0] if parts is not None else 0,
                               num_warps=4 if block <= 2048 else 8, **_pdl_launch(pdl))
     return (x, h, h2) if second is not None else (x, h)
 
