@@ -512,16 +512,18 @@ if triton is not None:
         offs_d = tl.arange(0, DP)
         rows = (bh * SPLITS + offs_s[:, None]) * GP + offs_g[None, :]        # [S, GP]
         # .cg: read from L2, where the other programs' partials landed (never a stale L1 line)
+        # all three loads before any arithmetic: one L2 round trip, not two (the max's
+        # cross-warp reduction would otherwise hold the partials' load back)
         m = tl.load(m_ptr + rows, cache_modifier=".cg")
         l = tl.load(l_ptr + rows, cache_modifier=".cg")
-        m_max = tl.max(m, axis=0)                                           # [GP]
-        w = tl.exp(m - m_max[None, :])                                       # empty splits: 0
-        denom = tl.sum(w * l, axis=0)
         a_ptr = acc_ptr + rows[:, :, None] * D + offs_d[None, None, :]
         if DP != D:
             acc = tl.load(a_ptr, mask=(offs_d < D)[None, None, :], other=0.0, cache_modifier=".cg")
         else:
             acc = tl.load(a_ptr, cache_modifier=".cg")
+        m_max = tl.max(m, axis=0)                                           # [GP]
+        w = tl.exp(m - m_max[None, :])                                       # empty splits: 0
+        denom = tl.sum(w * l, axis=0)
         out = tl.sum(w[:, :, None] * acc, axis=0) / denom[:, None]
         o_ptr = out_ptr + b * (Hkv * G * D) + (h * G + offs_g[:, None]) * D + offs_d[None, :]
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=_lanes((offs_g < G)[:, None], offs_d, D, DP))
@@ -540,14 +542,17 @@ if triton is not None:
         b = bh // Hkv
         h = bh % Hkv
         start = split * chunk
+        # pos (read on the device, so one graph serves every step) was set by the previous
+        # step, whose kernels all ended before this one started: read it before the wait
+        pos = tl.load(pos_ptr)
         if PDL == 3 and PF_N > 0:
-            # cached slots before pos are never written in this step (pos was set by the
-            # previous step): ask L2 for this program's first PF_N of them before waiting
-            last = tl.maximum(tl.load(pos_ptr) - 1, 0)
+            # cached slots before pos are never written in this step: ask L2 for this
+            # program's first PF_N of them before waiting
+            last = tl.maximum(pos - 1, 0)
             slots = tl.minimum(start + tl.arange(0, PF_N), last)
             _l2_prefetch_rows(kv_ptr + b * skv_b + h * skv_h, slots, skv_l, 0, 2 * D, 2 * DP, LINE)
         _pdl_enter(PDL)
-        n_keys = tl.load(pos_ptr) + 1                 # slots 0..pos, read on the device
+        n_keys = pos + 1                              # slots 0..pos
         if FUSED:                                     # slot pos comes from new_ptr, below
             end = tl.minimum(start + chunk, n_keys - 1)
         else:
