@@ -840,6 +840,8 @@ if triton is not None:
                        LINE: tl.constexpr):
         offs_m, offs_n, offs_k, m_ok, n_ok = _strip(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if HAS_B:                     # a parameter: read now, not in a round trip after the loop
+            bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         k_first = 0
         if PDL == 3 and PF_K > 0:     # the strip's first PF_K columns into L2 while the previous kernel ends
             _l2_prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), sw, 0, K, PF_K, LINE)
@@ -855,7 +857,7 @@ if triton is not None:
             acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < K, sx, sw, swk,
                              LIBDEVICE, IEEE)
         if HAS_B:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc += bias[None, :]
         if GELU == 2:                                   # nn.GELU() on the rounded linear output
             v = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
             acc = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
@@ -918,6 +920,9 @@ if triton is not None:
         offs_m, offs_n, offs_k, m_ok, n_ok = _strip(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if HAS_B:                     # parameters: read now, not in a round trip after the loop
+            bias_g = tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            bias_u = tl.load(bu_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if PDL == 3 and PF_K > 0:
             _l2_prefetch_rows(g_ptr, tl.minimum(offs_n, N - 1), sw, 0, K, PF_K, LINE)
             _l2_prefetch_rows(u_ptr, tl.minimum(offs_n, N - 1), sw, 0, K, PF_K, LINE)
@@ -930,8 +935,8 @@ if triton is not None:
             acc_u = _dot_block(acc_u, x_ptr, u_ptr, offs_m, offs_n, k, m_ok, n_ok, k_ok, sx, sw, swk,
                                LIBDEVICE, IEEE)
         if HAS_B:
-            acc_g += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            acc_u += tl.load(bu_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_g += bias_g[None, :]
+            acc_u += bias_u[None, :]
         dt = y_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
