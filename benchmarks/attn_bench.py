@@ -80,7 +80,10 @@ def main():
                 del SHAPES[name]
     dtype = torch.bfloat16
     rows = []
-    saved_pv_low = dt.ATTN_PV_LOW
+    # the switches a variant sets; each shape's sweep puts them back as they were
+    knobs = ("ATTN_SPLITS", "ATTN_BLOCK_N", "ATTN_WARPS", "ATTN_STAGES", "ATTN_INLINE_COMBINE", "ATTN_DOT",
+             "ATTN_PV_LOW")
+    saved = {name: getattr(dt, name) for name in knobs}
     for (name, (B, H, D, L)), pos in itertools.product(SHAPES.items(), args.pos):
         torch.manual_seed(0)
         q = torch.randn(B, H, 1, D, device=dev, dtype=dtype)
@@ -161,8 +164,8 @@ def main():
             except Exception as exc:  # a knob combination Triton cannot compile
                 rows.append(dict(shape=name, pos=pos, variant=label, us=float("nan"), tb_s=0.0,
                                  err=float("nan"), error=f"{type(exc).__name__}: {str(exc)[:120]}"))
-        dt.ATTN_SPLITS, dt.ATTN_BLOCK_N, dt.ATTN_WARPS, dt.ATTN_STAGES = None, None, None, None
-        dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT, dt.ATTN_PV_LOW = False, None, saved_pv_low
+        for name, value in saved.items():
+            setattr(dt, name, value)
         best = sorted((r for r in rows if r["shape"] == name and r["pos"] == pos and r["us"] == r["us"]),
                       key=lambda r: r["us"])[:8]
         print(f"{name} pos {pos}: " + "; ".join(f"{r['variant']} {r['us']:.2f}us" for r in best), flush=True)
