@@ -44,15 +44,17 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="PPO steps per mode.")
     p.add_argument("--warmup", type=int, default=2, help="Steps left out of the steady-state mean.")
     p.add_argument("--batch", type=int, default=16, help="Prompts per GPU per step.")
-    p.add_argument("--prompt_len", type=int, default=256)
-    p.add_argument("--answer_len", type=int, default=256)
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--num_gpus", type=int, default=1)
-    p.add_argument("--workdir", default="/tmp/dschat_step3_bench")
+    p.add_argument("--prompt_len", type=int, default=256, help="Prompt tokens (every prompt exactly this long).")
+    p.add_argument("--answer_len", type=int, default=256, help="Answer tokens, forced (min = max answer length).")
+    p.add_argument("--dtype", default="bf16", help="Training and generation dtype (step 3's --dtype).")
+    p.add_argument("--num_gpus", type=int, default=1, help="Ranks per mode (the deepspeed launcher's --num_gpus).")
+    p.add_argument("--workdir", default="/tmp/dschat_step3_bench",
+                   help="Scratch folder: <workdir>/<preset> holds the random models (built once per preset and "
+                        "reused), the prompts and one output folder per mode (cleared before the mode runs).")
     p.add_argument("--out", default=None, help="Append the table (markdown) to this file.")
     p.add_argument("--profile_step", type=int, default=0,
                    help="Pass --profile_step to every mode; its table is copied beside --out "
-                        "(or into --workdir) as step3_profile_<mode>.txt.")
+                        "(or into <workdir>/<preset>) as step3_profile_<mode>.txt.")
     return p.parse_args(argv)
 
 
