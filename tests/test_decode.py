@@ -328,6 +328,15 @@ def test_triton_kernels_match_reference(monkeypatch):
                 assert torch.equal(kv_fused, kv_ref)
                 want = dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1).float()
                 torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+                # row 1's left padding skipped (key_start): the same bits as reading it
+                kb_pad = kb.clone()
+                kb_pad[1, :, :min(p, 150)] = torch.finfo(dtype).min
+                ks = torch.zeros(B, dtype=torch.int32, device="cuda")
+                ks[0], ks[1] = min(p, 7), min(p, 150)
+                kv_x, kv_y = kv.clone(), kv.clone()
+                got_x = dt.decode_attention(q, kv_x, kb_pad, pos, 0.1, new_kv=new, key_start=ks)
+                got_y = dt.decode_attention(q, kv_y, kb_pad, pos, 0.1, new_kv=new)
+                assert torch.equal(got_x, got_y) and torch.equal(kv_x, kv_ref)
                 # the previous launch rule at head_dim 64 (2 warps over 128-key blocks)
                 if D == 64 and G == 1:
                     monkeypatch.setattr(dt, "ATTN_WARPS", 2)

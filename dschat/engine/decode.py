@@ -152,17 +152,18 @@ def _gelu_epilogue_is_tanh(device, dtype) -> bool:
     return _EPILOGUE_OK[key]
 
 
-def _attend_decode(q, kv, Lb: int, bias, scale: float, impl: str, pos=None):
+def _attend_decode(q, kv, Lb: int, bias, scale: float, impl: str, pos=None, key_start=None):
     """One query token per row against the first Lb cached keys.
 
     q [B, Hkv, G, D] (G query heads share a K/V head), kv [B, Hkv, L, 2, D] (K at 0, V at 1),
     bias [B, Hkv, G, Lb] additive (padding, future keys, ALiBi). Returns [B, Hkv*G*D].
     impl "sdpa": one fused kernel; "bmm": baddbmm + fp32 softmax + bmm, HF's eager order;
     "triton": flash-decoding over slots 0..pos read on the device, bias = the raw per-key
-    bias [B, Hb, L] (no per-step mask, no length buckets).
+    bias [B, Hb, L] (no per-step mask, no length buckets), key_start [B] int32 each row's
+    first visible slot (blocks of padding before it are not read).
     """
     if impl == "triton":
-        return decode_triton.decode_attention(q, kv, bias, pos, scale)
+        return decode_triton.decode_attention(q, kv, bias, pos, scale, key_start=key_start)
     B, Hkv, G, D = q.shape
     k = kv[:, :, :Lb, 0]
     v = kv[:, :, :Lb, 1]
@@ -431,7 +432,7 @@ class _BloomBlock(_DecodeBlock):
         h = self._body(self._ln(F.embedding(ids, self.embed), self.emb_ln), attend, exact=True)
         return _lin(h[:, -1], self.head)
 
-    def decode(self, tok, row_pos, pos, kv, bias, Lb):
+    def decode(self, tok, row_pos, pos, kv, bias, Lb, key_start=None):
         B = tok.shape[0]
         H, D = self.n_heads, self.head_dim
 
@@ -439,10 +440,10 @@ class _BloomBlock(_DecodeBlock):
             qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
                 return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
-                                                      new_kv=qkv[:, :, 1:3])
+                                                      new_kv=qkv[:, :, 1:3], key_start=key_start)
             kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
             return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl,
-                                  pos)
+                                  pos, key_start)
         h = self._body(self._ln(F.embedding(tok, self.embed), self.emb_ln), attend,
                        exact=self.numerics == "hf")
         return self.lin(h, self.head)
@@ -565,15 +566,16 @@ class _OPTBlock(_DecodeBlock):
             return _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)
         return self._logits(self._body(self._embed(ids, pos_ids), attend)[:, -1])
 
-    def decode(self, tok, row_pos, pos, kv, bias, Lb):
+    def decode(self, tok, row_pos, pos, kv, bias, Lb, key_start=None):
         def attend(li, h):
             qkv = self._qkv(h, self.layers[li])                  # [B, 3, H, D]
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
                 return decode_triton.decode_attention(qkv[:, 0].unsqueeze(2), kv[li], bias, pos, self.scale,
-                                                      new_kv=qkv[:, 1:3].transpose(1, 2))
+                                                      new_kv=qkv[:, 1:3].transpose(1, 2),
+                                                      key_start=key_start)
             kv[li].index_copy_(2, pos, qkv[:, 1:3].transpose(1, 2).unsqueeze(2))
             return _attend_decode(qkv[:, 0].unsqueeze(2), kv[li], Lb, bias, self.scale,
-                                  self.attn_impl, pos)
+                                  self.attn_impl, pos, key_start)
         return self._logits(self._body(self._embed(tok, row_pos), attend), self.lin)
 
 
@@ -720,7 +722,7 @@ class _LlamaBlock(_DecodeBlock):
         h = self._body(F.embedding(ids, self.embed), attend)
         return _lin(h[:, -1], self.head)
 
-    def decode(self, tok, row_pos, pos, kv, bias, Lb):
+    def decode(self, tok, row_pos, pos, kv, bias, Lb, key_start=None):
         B = tok.shape[0]
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         cos, sin = self._rope_tables(row_pos)                  # [B, D]
@@ -731,9 +733,10 @@ class _LlamaBlock(_DecodeBlock):
             q = qkv[:, :Hq].view(B, Hkv, Hq // Hkv, D)
             new_kv = qkv[:, Hq:].view(B, 2, Hkv, D).transpose(1, 2)  # [B, Hkv, 2, D]
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
-                return decode_triton.decode_attention(q, kv[li], bias, pos, self.scale, new_kv=new_kv)
+                return decode_triton.decode_attention(q, kv[li], bias, pos, self.scale, new_kv=new_kv,
+                                                      key_start=key_start)
             kv[li].index_copy_(2, pos, new_kv.unsqueeze(2))
-            return _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl, pos)
+            return _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl, pos, key_start)
         return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
 
 
@@ -894,7 +897,7 @@ class _GPTNeoXBlock(_DecodeBlock):
         h = self._body(F.embedding(ids, self.embed), attend)
         return _lin(h[:, -1], self.head)
 
-    def decode(self, tok, row_pos, pos, kv, bias, Lb):
+    def decode(self, tok, row_pos, pos, kv, bias, Lb, key_start=None):
         B = tok.shape[0]
         H, D = self.n_heads, self.head_dim
         cos, sin = self._rope_tables(row_pos)                  # [B, rot_dims]
@@ -904,9 +907,10 @@ class _GPTNeoXBlock(_DecodeBlock):
             self.rope_(qkv[:, :, 0:2], cos, sin)               # q and k rows, in place
             if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
                 return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
-                                                      new_kv=qkv[:, :, 1:3])
+                                                      new_kv=qkv[:, :, 1:3], key_start=key_start)
             kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
-            return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl, pos)
+            return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl, pos,
+                                  key_start)
         return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
 
 
@@ -954,6 +958,8 @@ class _Workspace:
         self.kv = torch.zeros(block.n_layers, batch, block.n_kv_heads, length, 2, block.head_dim,
                               dtype=dt, device=dev)
         self.key_bias = torch.zeros(batch, block.bias_heads, length, dtype=dt, device=dev)
+        # each row's first visible cache slot (after its left padding), set at prefill
+        self.key_start = torch.zeros(batch, dtype=torch.int32, device=dev)
         self.arange = torch.arange(length, **lng)
         self.tok = torch.zeros(batch, **lng)
         self.row_pos = torch.zeros(batch, **lng)
@@ -1116,6 +1122,7 @@ class FastGenerator:
             ext = torch.ones((Bb, self.cache_len), dtype=torch.long, device=dev)
             ext[:, :P] = mask
             ws.key_bias[:Bb].copy_(blk.key_bias(ext))
+            ws.key_start[:Bb].copy_((mask != 0).int().argmax(-1))   # first 1 (0 for no 1)
             logits = blk.prefill(ids, mask, blk.prompt_positions(mask), ws.kv[:, :Bb],
                                  ws.key_bias[:Bb, :, :P])
             ws.counters[0] = P - 1
@@ -1164,7 +1171,8 @@ class FastGenerator:
         else:
             kb = ws.key_bias[:Bb, :, None, :Lb].expand(Bb, blk.n_kv_heads, G, Lb)
             bias = torch.where(ws.arange[:Lb] <= ws.pos, kb, _min_value(blk.dtype))
-        logits = blk.decode(ws.tok[:Bb], ws.row_pos[:Bb], ws.pos, ws.kv[:, :Bb], bias, Lb)
+        logits = blk.decode(ws.tok[:Bb], ws.row_pos[:Bb], ws.pos, ws.kv[:, :Bb], bias, Lb,
+                            ws.key_start[:Bb])
         self._advance(ws, Bb, self._select(logits, ws, Bb, mode), mode)
         return logits
 
@@ -1225,6 +1233,7 @@ class FastGenerator:
             ws.counters.zero_()
             ws.tok.zero_()
             ws.row_pos.zero_()
+            ws.key_start.zero_()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._step(ws, Bb, Lb, mode)          # warm-up: cuBLAS handles, kernel choice

@@ -422,6 +422,12 @@ FUSE_KV_WRITE = True
 # False: such models decode with baddbmm. H200, bloom-3b bf16 batch 16: 3.04 against 3.77
 # ms/step (RESULTS_decode.md run 9); the GPU kernel test has a head_dim-80 shape.
 ATTN_PAD_HEAD_DIM = True
+# Left padding: each row's key loop starts at the block holding its first visible slot (the
+# generator's `key_start`) instead of slot 0, same result bit for bit. DeepSpeed-Chat pads
+# every prompt to max_prompt_seq_len, so a batch of shorter prompts reads less cache. H200,
+# bf16 batch 16, prompts 128..256 of 256 (RESULTS_decode.md run 12): bloom-7b1 4.732 vs
+# 4.804 ms/step, llama-7b 4.721 vs 4.757, bloom-560m 0.884 vs 0.890.
+ATTN_SKIP_PAD = True
 
 
 def decode_attention_ref(q, kv, key_bias, pos, scale: float):
@@ -529,22 +535,31 @@ if triton is not None:
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=_lanes((offs_g < G)[:, None], offs_d, D, DP))
 
     @triton.jit
-    def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, new_ptr,
-                           count_ptr, Hkv, chunk, scale,
+    def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, first_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                           new_ptr, count_ptr, Hkv, chunk, scale,
                            sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h, sn_b, sn_h, sn_v,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
                            FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr, DOT: tl.constexpr,
                            GS: tl.constexpr, PDL: tl.constexpr, PF_N: tl.constexpr,
-                           LINE: tl.constexpr, DP: tl.constexpr, PV_LOW: tl.constexpr):
+                           LINE: tl.constexpr, DP: tl.constexpr, PV_LOW: tl.constexpr,
+                           SKIP_PAD: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
         h = bh % Hkv
-        start = split * chunk
+        lo = split * chunk                            # this program's slots: lo .. lo+chunk
+        start = lo
         # pos (read on the device, so one graph serves every step) was set by the previous
         # step, whose kernels all ended before this one started: read it before the wait
         pos = tl.load(pos_ptr)
+        if SKIP_PAD:
+            # the row's slots before its first visible key (left padding, set at prefill) are
+            # fully masked: skip the whole BLOCK_N blocks of them. Block boundaries stay where
+            # they were and a skipped block adds exactly 0 after the rescale, so the sums are
+            # the same bit for bit; a chunk of padding only is an empty split (weight 0)
+            first = tl.load(first_ptr + b)
+            start = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)
         if PDL == 3 and PF_N > 0:
             # cached slots before pos are never written in this step: ask L2 for this
             # program's first PF_N of them before waiting
@@ -554,9 +569,9 @@ if triton is not None:
         _pdl_enter(PDL)
         n_keys = pos + 1                              # slots 0..pos
         if FUSED:                                     # slot pos comes from new_ptr, below
-            end = tl.minimum(start + chunk, n_keys - 1)
+            end = tl.minimum(lo + chunk, n_keys - 1)
         else:
-            end = tl.minimum(start + chunk, n_keys)
+            end = tl.minimum(lo + chunk, n_keys)
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, DP)                    # DP: head_dim D padded to a power of two
         gmask = offs_g < G
@@ -571,7 +586,7 @@ if triton is not None:
         q = q_in.to(tl.float32)
         qb = q_in if DOT else q                       # the dot's operand: the cache dtype
         p = n_keys - 1
-        own_new = (p >= start) & (p < start + chunk)
+        own_new = (p >= lo) & (p < lo + chunk)
         if FUSED:
             # the step's own K/V: the program whose chunk holds slot pos writes it into the
             # cache (no separate index_copy kernel) and adds it to its softmax at the end;
@@ -694,12 +709,15 @@ def write_kv_ref(kv, new_kv, pos) -> None:
     kv.index_copy_(2, pos, new_kv.unsqueeze(2))
 
 
-def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
+def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, key_start=None):
     """Triton flash-decoding over slots 0..pos read from the device (so one CUDA graph
     serves every step): split-K programs, then a combine kernel when split.
 
     `new_kv` [B, Hkv, 2, D] (any strides but a contiguous last dim): this step's K/V,
-    written into slot pos by the kernel itself (else the caller must have written it)."""
+    written into slot pos by the kernel itself (else the caller must have written it).
+    `key_start` [B] int32 (optional): each row's first slot whose bias is not masked (its
+    left padding); the kernel does not read the blocks of slots wholly before it, and the
+    result is the same bit for bit."""
     fallback = triton is None or (q.device.type != "cuda" and not _interpreting())
     B, Hkv, G, D = q.shape
     L = kv.shape[2]
@@ -742,13 +760,18 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None):
         pf_n = _prefetch_count(min(chunk, PDL_PREFETCH_ATTN // (2 * D * kv.element_size())), 1)
     inline = count is not None
     count = count if inline else m
+    skip = key_start is not None and ATTN_SKIP_PAD
+    if skip and (key_start.dtype != torch.int32 or key_start.shape != (B,) or key_start.stride(0) != 1):
+        raise ValueError(f"key_start must be a contiguous int32 [{B}] tensor, got "
+                         f"{key_start.dtype} {tuple(key_start.shape)}")
     _attn_split_kernel[(B * Hkv, S)](
-        q, kv, key_bias, pos, out, m, l, acc, new, count, Hkv, chunk, float(scale),
+        q, kv, key_bias, pos, key_start if skip else pos, out, m, l, acc, new, count, Hkv, chunk,
+        float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
         G=G, GP=GP, D=D, DP=DP, BLOCK_N=bn,
         SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
-        PDL=pdl, PF_N=pf_n, LINE=line, PV_LOW=dot and ATTN_PV_LOW,
+        PDL=pdl, PF_N=pf_n, LINE=line, PV_LOW=dot and ATTN_PV_LOW, SKIP_PAD=skip,
         num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages,
         **_pdl_launch(pdl))
     if S > 1 and not inline:

@@ -1,6 +1,7 @@
 """The decode step's Triton kernels in Triton's CPU interpreter (run with TRITON_INTERPRET=1;
 tests/test_decode.py starts it): the attention kernel with and without the fused K/V write
-against the PyTorch reference (cache contents and outputs), the fused add+norm, the decode
+against the PyTorch reference (cache contents and outputs), with the left padding skipped
+against reading every slot (bit for bit), the fused add+norm, the decode
 linear, then FastGenerator with the Triton attention (and, for Bloom, the Triton linears)
 against HF generate (fp32 tokens); the split-K linear summed by the add+norm kernel and
 the two-kernel argmax."""
@@ -43,6 +44,15 @@ def check_attention(configs):
                 assert torch.equal(kv_fused, kv_ref), ("fused K/V write", S, B, G, p)
                 torch.testing.assert_close(got, dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1),
                                            atol=1e-5, rtol=1e-5)
+                if p in (63, L - 2):
+                    # row 1's left padding skipped (key_start): bit for bit the same sums
+                    first = min(p, 150)
+                    kb[1, :, :first] = torch.finfo(kb.dtype).min
+                    ks = torch.tensor([3, first], dtype=torch.int32)
+                    kv_skip, kv_all = kv.clone(), kv.clone()
+                    got_skip = dt.decode_attention(q, kv_skip, kb, pos, 0.1, new_kv=new, key_start=ks)
+                    got_all = dt.decode_attention(q, kv_all, kb, pos, 0.1, new_kv=new)
+                    assert torch.equal(kv_skip, kv_all) and torch.equal(got_skip, got_all), ("skip", S, G, p)
         if inline:   # the last arrival re-armed every counter
             assert all(int(c.abs().sum()) == 0 for c in dt._COUNTERS.values()), dt._COUNTERS
     dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = None, False, None
