@@ -229,6 +229,20 @@ def test_batch_buckets_and_chunks():
                     pad_token_id=PAD)
 
 
+def test_key_start_marks_each_rows_first_visible_slot():
+    """The slot each row's decode attention starts from (the Triton kernel skips the padding
+    before it): the first 1 of the mask, not the pad count (a mask with a hole keeps the hole
+    in the bias), and the last prompt slot for the bucket's dummy rows."""
+    model = make("bloom-6heads")
+    ids, mask = prompts(B=5)
+    mask[2] = torch.tensor([0] * (P - 6) + [1, 0, 1, 1, 0, 1])
+    fg = FastGenerator(model, max_prompt_len=P, max_new_tokens=T, batch_buckets=(8,))
+    fg.generate(ids, mask, eos_token_id=None, pad_token_id=PAD)
+    first = [int(torch.nonzero(row)[0]) for row in mask] + [P - 1] * 3
+    assert fg._ws.key_start.tolist() == first
+    assert first[2] == P - 6 and first[0] == 0
+
+
 def test_supported_configs():
     assert fast_decode_supported(make("bloom-6heads"))
     assert fast_decode_supported(make("llama-gqa"))
