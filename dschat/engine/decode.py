@@ -331,6 +331,17 @@ class _DecodeBlock:
     def device(self):
         return self.embed.device
 
+    def attend_step(self, q, new_kv, kv, Lb: int, bias, pos, key_start):
+        """One decode step's attention for one layer: q [B, Hkv, G, D], this step's K/V
+        new_kv [B, Hkv, 2, D] (any strides, contiguous last dim) written into cache slot pos,
+        then q against the cache (see _attend_decode). The Triton kernel writes the K/V
+        itself where decode_triton.FUSE_KV_WRITE."""
+        if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
+            return decode_triton.decode_attention(q, kv, bias, pos, self.scale, new_kv=new_kv,
+                                                  key_start=key_start)
+        decode_triton.write_kv_ref(kv, new_kv, pos)
+        return _attend_decode(q, kv, Lb, bias, self.scale, self.attn_impl, pos, key_start)
+
 
 @register_block("bloom")
 class _BloomBlock(_DecodeBlock):
@@ -438,12 +449,7 @@ class _BloomBlock(_DecodeBlock):
 
         def attend(li, h):
             qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
-            if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
-                return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
-                                                      new_kv=qkv[:, :, 1:3], key_start=key_start)
-            kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
-            return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl,
-                                  pos, key_start)
+            return self.attend_step(qkv[:, :, 0:1], qkv[:, :, 1:3], kv[li], Lb, bias, pos, key_start)
         h = self._body(self._ln(F.embedding(tok, self.embed), self.emb_ln), attend,
                        exact=self.numerics == "hf")
         return self.lin(h, self.head)
@@ -569,13 +575,8 @@ class _OPTBlock(_DecodeBlock):
     def decode(self, tok, row_pos, pos, kv, bias, Lb, key_start=None):
         def attend(li, h):
             qkv = self._qkv(h, self.layers[li])                  # [B, 3, H, D]
-            if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
-                return decode_triton.decode_attention(qkv[:, 0].unsqueeze(2), kv[li], bias, pos, self.scale,
-                                                      new_kv=qkv[:, 1:3].transpose(1, 2),
-                                                      key_start=key_start)
-            kv[li].index_copy_(2, pos, qkv[:, 1:3].transpose(1, 2).unsqueeze(2))
-            return _attend_decode(qkv[:, 0].unsqueeze(2), kv[li], Lb, bias, self.scale,
-                                  self.attn_impl, pos, key_start)
+            return self.attend_step(qkv[:, 0].unsqueeze(2), qkv[:, 1:3].transpose(1, 2), kv[li], Lb,
+                                    bias, pos, key_start)
         return self._logits(self._body(self._embed(tok, row_pos), attend), self.lin)
 
 
@@ -732,11 +733,7 @@ class _LlamaBlock(_DecodeBlock):
             self.rope_(qkv[:, :Hq + Hkv, None], cos, sin)      # q and k rows in place
             q = qkv[:, :Hq].view(B, Hkv, Hq // Hkv, D)
             new_kv = qkv[:, Hq:].view(B, 2, Hkv, D).transpose(1, 2)  # [B, Hkv, 2, D]
-            if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
-                return decode_triton.decode_attention(q, kv[li], bias, pos, self.scale, new_kv=new_kv,
-                                                      key_start=key_start)
-            kv[li].index_copy_(2, pos, new_kv.unsqueeze(2))
-            return _attend_decode(q, kv[li], Lb, bias, self.scale, self.attn_impl, pos, key_start)
+            return self.attend_step(q, new_kv, kv[li], Lb, bias, pos, key_start)
         return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
 
 
@@ -905,12 +902,7 @@ class _GPTNeoXBlock(_DecodeBlock):
         def attend(li, h):
             qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
             self.rope_(qkv[:, :, 0:2], cos, sin)               # q and k rows, in place
-            if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
-                return decode_triton.decode_attention(qkv[:, :, 0:1], kv[li], bias, pos, self.scale,
-                                                      new_kv=qkv[:, :, 1:3], key_start=key_start)
-            kv[li].index_copy_(2, pos, qkv[:, :, 1:3].unsqueeze(2))
-            return _attend_decode(qkv[:, :, 0:1], kv[li], Lb, bias, self.scale, self.attn_impl, pos,
-                                  key_start)
+            return self.attend_step(qkv[:, :, 0:1], qkv[:, :, 1:3], kv[li], Lb, bias, pos, key_start)
         return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
 
 
