@@ -44,9 +44,16 @@ def main():
                     help="A wider grid (BLOCK_K up to 512, 4 or 8 warps, 3-6 stages; split-K + add+norm for the "
                          "projections a norm follows), timed as decode_triton's per-shape choice times "
                          "(over weight copies larger than L2).")
+    ap.add_argument("--tma", action="store_true",
+                    help="The TMA linear (decode_triton._linear_tma: weight tiles by the tensor memory "
+                         "accelerator, optionally y.T = w @ x.T for warpgroup MMAs) over a grid of tiles, "
+                         "stages and splits, against cuBLAS and the pointer-load kernels \"auto\" races, "
+                         "timed as --wide times.")
     args = ap.parse_args()
     if args.wide:
         return wide(args)
+    if args.tma:
+        return tma(args)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
     shapes = {"tiny": (96, 64, True)} if args.smoke else SHAPES
@@ -133,6 +140,66 @@ def wide(args):
                                                                       for r in mine[:6]), flush=True)
     write_sweep(args.out, "linear_wide", "decode linears (wide grid, PDL mode %d)" % dt._pdl_mode(dev),
                 "rows", "weight TB/s", "-", rows)
+
+
+def tma(args):
+    """Per shape at 16 rows: cuBLAS, the best of the candidates "auto" races without TMA, and
+    the TMA linear over (swap, BLOCK_N, BLOCK_K, stages[, splits]); each with its max abs
+    difference to an fp32 reference relative to the reference's max."""
+    dev, dtype, M = torch.device("cuda"), torch.bfloat16, 16
+    tma_grid = [(swap, bn, bk, st) for swap, bn, bk in ((1, 64, 64), (1, 64, 128), (1, 64, 256), (1, 128, 64),
+                                                       (1, 128, 128), (1, 128, 256), (0, 32, 128), (0, 32, 256),
+                                                       (0, 64, 128), (0, 64, 256))
+                for st in ((4, 6) if bk <= 128 else (3, 4))]
+    rows = []
+    for name, (N, K, gelu) in SHAPES.items():
+        if args.shapes and name not in args.shapes:
+            continue
+        torch.manual_seed(0)
+        x = torch.randn(M, K, device=dev, dtype=dtype)
+        w = (torch.randn(N, K, device=dev) / K ** 0.5).to(dtype)
+        b = None if "head" in name else (torch.randn(N, device=dev) * 0.1).to(dtype)
+        norm = name.endswith(("dense", "fc2"))          # split-K partials, summed by the add+norm kernel
+        r, nw, nb = (torch.randn(*s, device=dev, dtype=dtype) for s in ((M, N), (N,), (N,)))
+        copies, n_calls = dt._weight_copies(w)
+        if norm:
+            ref = dt.add_norm_ref(dt.linear_ref(x.float(), w.float(), b.float()), r.float(), nw.float(), nb.float(),
+                                  1e-5, False)[1]
+
+            def run(cfg, w_):
+                if cfg is None:
+                    return dt.add_norm(torch.nn.functional.linear(x, w_, b), r, nw, nb, 1e-5, False)[1]
+                return dt._launch_add_norm(None, r, nw, nb, 1e-5, False, parts=dt._run_parts(x, w_, cfg), lin_b=b)[1]
+            grid = [("tma", sp, swap, bn, bk, 4, st) for sp in (1, 2, 4, 8) for swap, bn, bk, st in tma_grid]
+        else:
+            ref = dt.linear_ref(x.float(), w.float(), b.float() if b is not None else None, gelu)
+
+            def run(cfg, w_):
+                if cfg is None:
+                    return cublas(x, w_, b, gelu)
+                return dt._run_linear(x, w_, b, gelu, cfg)
+            grid = [("tma", 1, swap, bn, bk, 4, st) for swap, bn, bk, st in tma_grid]
+        old = list(dt._linear_candidates(K, parts=norm).values())
+        for cfg in old + grid:
+            kind = "cublas" if cfg is None else ("tma" if cfg[0] == "tma" else "auto")
+            try:
+                err = ((run(cfg, w).float() - ref).abs().max() / ref.abs().max()).item()
+                us = dt._graph_us(lambda i: run(cfg, copies[i % len(copies)]), n_calls)
+            except Exception as exc:           # a tile that does not fit or compile here
+                us, err = float("nan"), float("nan")
+                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            rows.append(dict(shape=name + (" +norm" if norm else ""), rows=M, variant=f"{kind} {cfg or ''}",
+                             us=us, tb_s=N * K * 2 / us / 1e6 if us == us else 0.0, err=err))
+        mine = [r for r in rows if r["shape"].startswith(name) and r["us"] == r["us"]]
+
+        def best(kind):
+            return sorted((r for r in mine if r["variant"].startswith(kind)), key=lambda r: r["us"])
+        cb, au, tm = best("cublas")[0], best("auto")[0], best("tma")
+        print(f"{name}: cublas {cb['us']:.2f} us, auto's best {au['variant'][5:]} {au['us']:.2f} us; TMA best "
+              + "; ".join(f"{r['variant'][4:]} {r['us']:.2f} us (err {r['err']:.1e})" for r in tm[:5])
+              + f"; TMA / auto {tm[0]['us'] / min(au['us'], cb['us']):.3f}", flush=True)
+    write_sweep(args.out, "linear_tma", "decode linears, TMA (PDL mode %d)" % dt._pdl_mode(dev), "rows",
+                "weight TB/s", "max abs diff / max |ref|", rows)
 
 
 if __name__ == "__main__":

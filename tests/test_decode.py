@@ -378,13 +378,17 @@ def test_triton_kernels_match_reference(monkeypatch):
             r = r.view(M, N)
             want_lin = dt.linear_ref(x, w, b).float()
             want = [t.float() for t in dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)]
-            for cfg in [None] + list(dt._linear_candidates(K, parts=True).values())[1:]:
+            tma = dt._tma_ok(x, w)     # bf16 / fp16 on Hopper: the TMA candidates too
+            for cfg in [None] + list(dt._linear_candidates(K, parts=True, tma=tma).values())[1:]:
                 dt.LINEAR_FORCE = {"linear+norm": cfg}
                 for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
                     torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
-            for cfg in [None] + list(dt._linear_candidates(K, parts=False).values())[1:]:
+            # an x TMA cannot address (rows 2 (K + 1) bytes apart) takes the pointer loads
+            x_odd = torch.zeros(M, K + 1, device="cuda", dtype=dtype)[:, :K].copy_(x)
+            for cfg in [None] + list(dt._linear_candidates(K, parts=False, tma=tma).values())[1:]:
                 dt.LINEAR_FORCE = {"linear": cfg}
                 torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
+                torch.testing.assert_close(dt.tuned_linear(x_odd, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
             dt.LINEAR_FORCE = None
             torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
         dt.PDL = None
@@ -455,7 +459,7 @@ def test_triton_kernels_match_reference(monkeypatch):
         w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
         b = torch.randn(N, device="cuda", generator=g).to(dtype)
         want = dt.linear_ref(x, w, b, "erf").float()
-        for cfg in [None] + list(dt._linear_candidates(K, parts=False).values())[1:]:
+        for cfg in [None] + list(dt._linear_candidates(K, parts=False, tma=dt._tma_ok(x, w)).values())[1:]:
             dt.LINEAR_FORCE = {"linear": cfg}
             torch.testing.assert_close(dt.tuned_linear(x, w, b, gelu="erf").float(), want, atol=tol * 4, rtol=tol)
         dt.LINEAR_FORCE = None

@@ -86,7 +86,7 @@ def _pdl_mode(device) -> int:
 def _launch_key(device) -> tuple:
     """The launch settings a per-shape timing depends on."""
     mode = _pdl_mode(device)
-    return mode, (PDL_PREFETCH, PDL_PREFETCH_ATTN) if mode == 3 else 0
+    return mode, (PDL_PREFETCH, PDL_PREFETCH_ATTN) if mode == 3 else 0, LINEAR_TMA
 
 
 def _pdl_launch(mode: int) -> dict:
@@ -849,6 +849,23 @@ if triton is not None:
         return acc + tl.dot(x, w)
 
     @triton.jit
+    def _bias_gelu(acc, bias, y_ptr, HAS_B: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """A linear's epilogue on its fp32 [rows, cols] tile: + bias, then GELU (`_gelu_code`)."""
+        if HAS_B:
+            acc += bias[None, :]
+        if GELU == 2:                                   # nn.GELU() on the rounded linear output
+            v = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+            acc = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
+        if GELU == 1:                                   # tanh-GELU in fp32, as cuBLASLt's epilogue
+            u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            if LIBDEVICE:
+                t = libdevice.tanh(u)
+            else:
+                t = 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
+            acc = 0.5 * acc * (1.0 + t)
+        return acc
+
+    @triton.jit
     def _strip(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """A decode linear program's rows, its BLOCK_N output columns, one K block's offsets."""
         offs_m = tl.arange(0, BLOCK_M)
@@ -863,6 +880,7 @@ if triton is not None:
                        LINE: tl.constexpr):
         offs_m, offs_n, offs_k, m_ok, n_ok = _strip(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        bias = 0.0
         if HAS_B:                     # a parameter: read now, not in a round trip after the loop
             bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         k_first = 0
@@ -879,18 +897,7 @@ if triton is not None:
             k = k0 + offs_k
             acc = _dot_block(acc, x_ptr, w_ptr, offs_m, offs_n, k, m_ok, n_ok, k < K, sx, sw, swk,
                              LIBDEVICE, IEEE)
-        if HAS_B:
-            acc += bias[None, :]
-        if GELU == 2:                                   # nn.GELU() on the rounded linear output
-            v = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-            acc = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
-        if GELU == 1:                                   # tanh-GELU in fp32, as cuBLASLt's epilogue
-            u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-            if LIBDEVICE:
-                t = libdevice.tanh(u)
-            else:
-                t = 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
-            acc = 0.5 * acc * (1.0 + t)
+        acc = _bias_gelu(acc, bias, y_ptr, HAS_B, GELU, LIBDEVICE)
         tl.store(y_ptr + offs_m[:, None] * sy + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
@@ -929,6 +936,66 @@ if triton is not None:
                                  LIBDEVICE, IEEE)
         tl.store(p_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], acc,
                  mask=m_ok[:, None] & n_ok[None, :])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, y_ptr, M, N, K, chunk, sx, sy,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SWAP: tl.constexpr, PARTS: tl.constexpr, X_TMA: tl.constexpr, HAS_B: tl.constexpr,
+                           GELU: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+                           PF_K: tl.constexpr, LINE: tl.constexpr):
+        """`_linear_kernel` (PARTS: `_linear_part_kernel`, split s of K on program axis 1)
+        with the weight tiles brought in by the Hopper tensor memory accelerator (TMA: one
+        instruction per [BLOCK_N, BLOCK_K] tile, zero-filled past N and K) instead of
+        per-thread loads. SWAP computes y.T = w @ x.T, so that the weight strip is the MMA's
+        wide side (64+ rows: warpgroup MMA) and the few batch rows its narrow one. X_TMA: x's
+        tiles by TMA too (16-byte aligned x), else by pointer."""
+        s = tl.program_id(1)
+        n0 = tl.program_id(0) * BLOCK_N
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        start = s * chunk
+        end = tl.minimum(start + chunk, K)
+        bias = 0.0
+        if HAS_B:
+            bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        if PDL == 3 and PF_K > 0:
+            _l2_prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), K, start, end, PF_K, LINE)
+        _pdl_enter(PDL)
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(start, end, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < end
+            w = w_desc.load([n0, k0])
+            if X_TMA:                 # TMA reads 0 past M and K (a split is whole BLOCK_Ks)
+                x = x_desc.load([0, k0])
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * sx + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+            if not LIBDEVICE:         # Triton's CPU interpreter gets bf16 dots wrong (3.9)
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        if SWAP:
+            acc = tl.trans(acc)
+        if PARTS:
+            tl.store(y_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], acc,
+                     mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            acc = _bias_gelu(acc, bias, y_ptr, HAS_B, GELU, LIBDEVICE)
+            tl.store(y_ptr + offs_m[:, None] * sy + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
 
 
 if triton is not None:
@@ -1029,6 +1096,68 @@ def _linear_parts(x, w, splits: int, bn: int, bk: int, warps: int = 4, stages=No
     return parts
 
 
+try:                                   # pragma: no cover - host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:
+    TensorDescriptor = None
+# False: no TMA candidates in "auto"'s race (the A/B switch of decode_bench's "notma")
+LINEAR_TMA = True
+
+
+def _tma_ok(x, w) -> bool:
+    """Whether the TMA linear can read w: a Hopper+ GPU (or the interpreter), a 16-bit
+    K-contiguous weight with 16-byte aligned rows and base (fp32 models keep the exact
+    kernels)."""
+    if not (LINEAR_TMA and TensorDescriptor is not None and _triton_ok(x, w)):
+        return False
+    if w.dtype not in (torch.bfloat16, torch.float16) or w.stride(-1) != 1:
+        return False
+    if (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16:
+        return False
+    return _interpreting() or torch.cuda.get_device_capability(w.device)[0] >= 9
+
+
+def _linear_tma(x, w, b, gelu, splits: int, swap: int, bn: int, bk: int, warps: int = 4, stages=None,
+                parts: bool = False):
+    """`_linear_tma_kernel`: y = x @ w.T (+ b, GELU), or with `parts` the fp32 partials
+    [splits, M, N] that the add+norm kernel sums."""
+    M, K = x.shape
+    N = w.shape[0]
+    chunk, splits = _even_chunks(K, splits, bk)
+    if parts:
+        y = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    pdl = _pdl_mode(x.device)
+    bm = max(16, triton.next_power_of_2(M))
+    w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [bn, bk])
+    x_tma = (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+    x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [bm, bk]) if x_tma else w_desc
+    _linear_tma_kernel[(triton.cdiv(N, bn), splits)](
+        x, x_desc, w, w_desc, b if b is not None else w, y, M, N, K, chunk, x.stride(0), y.stride(-2),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=bool(swap), PARTS=parts, X_TMA=x_tma,
+        HAS_B=b is not None and not parts, GELU=0 if parts else _gelu_code(gelu), LIBDEVICE=not _interpreting(),
+        PDL=pdl, num_warps=warps, **_prefetch_args(pdl, bn, chunk, w),
+        **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
+    return y
+
+
+def _run_linear(x, w, b, gelu, cfg):
+    """A Triton linear by its candidate config: (BLOCK_N, BLOCK_K[, warps, stages]) for
+    `_linear_kernel`, ("tma", 1, swap, BLOCK_N, BLOCK_K[, warps, stages]) for the TMA one."""
+    if cfg[0] == "tma":
+        return _linear_tma(x, w, b, gelu, *cfg[1:])
+    return _linear_triton(x, w, b, gelu, *cfg)
+
+
+def _run_parts(x, w, cfg):
+    """fp32 split-K partials by config: (splits, BLOCK_N, BLOCK_K[, warps, stages]) or
+    ("tma", splits, swap, BLOCK_N, BLOCK_K[, warps, stages])."""
+    if cfg[0] == "tma":
+        return _linear_tma(x, w, None, False, *cfg[1:], parts=True)
+    return _linear_parts(x, w, *cfg)
+
+
 def gated_ref(x, wg, bg, wu, bu):
     """HF's LlamaMLP up to down_proj with SiLU: act(gate(x)) * up(x)."""
     return F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu)
@@ -1066,11 +1195,19 @@ _TILES = ((16, 256), (32, 128), (32, 256), (64, 128))
 # a Conv1D weight [K, N] read through its transpose: contiguous along N, so wider N tiles
 _TILES_T = ((32, 128), (64, 128), (128, 64), (256, 32))
 _SPLITS = (1, 2, 4, 8)
-_REFINE = ((4, 2), (4, 4), (4, 5), (8, 3), (8, 4))     # (warps, stages) tried on the winner
+_REFINE = ((4, 2), (4, 4), (4, 5), (8, 3), (8, 4))     # (warps, stages) tried on the fastest Triton config
 _CHOICE: dict = {}                                      # shape key -> (name, config)
 
 
-def _linear_candidates(K: int, parts: bool, transposed: bool = False) -> dict:
+# the TMA linear's (swap, BLOCK_N, BLOCK_K, stages), 4 warps, raced where `_tma_ok`: the
+# winners of `benchmarks/linear_bench.py --tma` over bloom-7b1's decode linears at batch 16
+# (RESULTS_decode.md run 13)
+_TILES_TMA = ((1, 64, 128, 4), (1, 64, 256, 3), (1, 128, 128, 4), (1, 64, 64, 6), (0, 32, 256, 4),
+              (0, 64, 128, 4), (0, 64, 256, 3))
+_REFINE_TMA = ((4, 3), (4, 4), (4, 5), (4, 6), (8, 4))
+
+
+def _linear_candidates(K: int, parts: bool, transposed: bool = False, tma: bool = False) -> dict:
     out = {"cublas": None}
     for bn, bk in _TILES_T if transposed else _TILES:
         if not parts:
@@ -1079,7 +1216,23 @@ def _linear_candidates(K: int, parts: bool, transposed: bool = False) -> dict:
         for sp in _SPLITS:
             if K >= sp * bk:
                 out[f"triton split{sp} n{bn} k{bk}"] = (sp, bn, bk)
+    for swap, bn, bk, st in _TILES_TMA if tma else ():
+        for sp in _SPLITS if parts else (1,):
+            if K >= sp * bk:
+                out[_tma_name(("tma", sp, swap, bn, bk, 4, st), parts)] = ("tma", sp, swap, bn, bk, 4, st)
     return out
+
+
+def _tma_name(cfg: tuple, parts: bool) -> str:
+    _, sp, swap, bn, bk, nw, ns = cfg
+    return f"tma{f' split{sp}' if parts else ''}{' swap' if swap else ''} n{bn} k{bk} w{nw} st{ns}"
+
+
+def _refined(name: str, cfg: tuple, parts: bool) -> dict:
+    """Candidates around the race's best Triton config: other warps and pipelining stages."""
+    if cfg[0] == "tma":
+        return {_tma_name(cfg[:5] + r, parts): cfg[:5] + r for r in _REFINE_TMA}
+    return {f"{name} w{nw} st{ns}": cfg + (nw, ns) for nw, ns in _REFINE}
 
 
 def _graph_us(fn, n_calls: int) -> float:
@@ -1121,7 +1274,7 @@ def _weight_copies(w) -> tuple[list, int]:
     return copies, max(len(copies), 4 if nbytes > (64 << 20) else 16)
 
 
-def _choose(key: tuple, run, w):
+def _choose(key: tuple, run, w, tma: bool = False):
     """The candidate config for this shape (None: cuBLAS): forced, cached, or timed now
     over `_linear_candidates` (run(cfg, w) makes one call with weight w). While a graph is
     being captured nothing can be timed: cuBLAS for this call, and the choice is made at
@@ -1133,7 +1286,8 @@ def _choose(key: tuple, run, w):
     w0 = w[0] if isinstance(w, tuple) else w
     if w0.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
-    cands = _linear_candidates(w0.shape[1], parts=key[1] == "linear+norm", transposed=w0.stride(-1) != 1)
+    cands = _linear_candidates(w0.shape[1], parts=key[1] == "linear+norm", transposed=w0.stride(-1) != 1,
+                               tma=tma)
     copies, n_calls = _weight_copies(w)
     times = {}
 
@@ -1145,11 +1299,13 @@ def _choose(key: tuple, run, w):
                 times[name] = float("inf")
                 logger.debug("decode linear candidate %s failed: %s", name, exc)
     race(cands)
-    best = min(times, key=times.get)
-    if best != "cublas":      # then the winner's warps and pipelining stages (default 4, 3)
-        cands = dict(cands, **{f"{best} w{nw} st{ns}": cands[best] + (nw, ns) for nw, ns in _REFINE})
+    # then the fastest Triton config's warps and pipelining stages, also where cuBLAS led the
+    # first round (run 13: the TMA linears at bloom-7b1's QKV and fc1 passed it only so)
+    triton_best = min((n for n in times if n != "cublas"), key=times.get, default=None)
+    if triton_best is not None and times[triton_best] < float("inf"):
+        cands = dict(cands, **_refined(triton_best, cands[triton_best], key[1] == "linear+norm"))
         race({n: c for n, c in cands.items() if n not in times})
-        best = min(times, key=times.get)
+    best = min(times, key=times.get)
     if times[best] >= _TUNE_MARGIN * times["cublas"]:
         best = "cublas"
     _CHOICE[key] = (best, cands[best])
@@ -1170,10 +1326,10 @@ def tuned_linear(x, w, b=None, gelu: "bool | str" = False, epilogue: bool = Fals
     M, K = x.shape
 
     def run(cfg, w_):
-        return cublas(w_) if cfg is None else _linear_triton(x, w_, b, gelu, *cfg)
+        return cublas(w_) if cfg is None else _run_linear(x, w_, b, gelu, cfg)
     key = (str(x.device), "linear", M, w.shape[0], K, w.stride(-1) != 1, str(x.dtype), b is not None, gelu,
            *_launch_key(x.device))
-    return run(_choose(key, run, w), w)
+    return run(_choose(key, run, w, _tma_ok(x, w)), w)
 
 
 def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool, y2=None, second=None):
@@ -1187,11 +1343,11 @@ def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool, y2=None, second=N
     def run(cfg, w_):
         if cfg is None:
             return add_norm(F.linear(a, w_, b), r, nw, nb, eps, rms, y2, second)
-        return _launch_add_norm(None, r, nw, nb, eps, rms, parts=_linear_parts(a, w_, *cfg), lin_b=b,
+        return _launch_add_norm(None, r, nw, nb, eps, rms, parts=_run_parts(a, w_, cfg), lin_b=b,
                                 y2=y2, second=second)
     key = (str(a.device), "linear+norm", M, w.shape[0], K, w.stride(-1) != 1, str(a.dtype), b is not None,
            bool(rms), y2 is not None, second is not None, *_launch_key(a.device))
-    return run(_choose(key, run, w), w)
+    return run(_choose(key, run, w, _tma_ok(a, w)), w)
 
 
 # LLaMA-style blocks (SiLU) run act(gate(h)) * up(h) through `gated_mlp` (False: two tuned

@@ -200,6 +200,28 @@ def check_linears():
                 torch.testing.assert_close(dt.tuned_linear(x, w, b), dt.linear_ref(x, w, b),
                                            atol=1e-4, rtol=1e-4)
     dt.LINEAR_FORCE = None
+    # the TMA linear (16-bit weights; tiles by Hopper's tensor memory accelerator) in both
+    # orientations, with bias and either GELU, from an x whose rows TMA cannot address (read
+    # by pointer), and as split-K partials into the add+norm kernel; against the same ops in
+    # bf16, so only the accumulation order differs
+    bf = torch.bfloat16
+    for (M, N, K), swap, (bn, bk) in itertools.product([(3, 40, 96), (16, 100, 256)], (0, 1), [(32, 32), (64, 64)]):
+        x = torch.randn(M, K, generator=gen).to(bf)
+        w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(bf)
+        b = torch.randn(N, generator=gen).to(bf)
+        x_odd = torch.randn(M, K + 3, generator=gen).to(bf)[:, :K]      # rows 2 (K + 3) bytes apart
+        assert dt._tma_ok(x, w)
+        for xx, gelu in ((x, False), (x, "tanh"), (x_odd, "erf")):
+            dt.LINEAR_FORCE = {"linear": ("tma", 1, swap, bn, bk)}
+            torch.testing.assert_close(dt.tuned_linear(xx, w, b, gelu=gelu).float(),
+                                       dt.linear_ref(xx, w, b, gelu).float(), atol=4e-2, rtol=2e-2)
+        r, nw, nb = (torch.randn(*s, generator=gen).to(bf) for s in ((M, N), (N,), (N,)))
+        want = dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)
+        for splits in (1, 3):
+            dt.LINEAR_FORCE = {"linear+norm": ("tma", splits, swap, bn, bk)}
+            for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
+                torch.testing.assert_close(a.float(), e.float(), atol=8e-2, rtol=2e-2)
+    dt.LINEAR_FORCE = None
 
 
 @triton.jit
