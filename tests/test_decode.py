@@ -456,7 +456,7 @@ def test_triton_kernels_match_reference(monkeypatch):
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
         wg, wu = ((torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype) for _ in range(2))
         want = dt.gated_ref(x, wg, None, wu, None)
-        for cfg in [None] + list(dt._linear_candidates(K, parts=False).values())[1:]:
+        for cfg in [None] + list(dt._linear_candidates(K, parts=False, tma=dt._tma_ok(x, wg), weights=2).values())[1:]:
             dt.LINEAR_FORCE = {"gated": cfg}
             torch.testing.assert_close(dt.gated_mlp(x, wg, None, wu, None).float(), want.float(),
                                        atol=tol * 4, rtol=tol)

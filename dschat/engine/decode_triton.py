@@ -972,17 +972,43 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, y_ptr, M, N, K, chunk, sx, sy,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           SWAP: tl.constexpr, PARTS: tl.constexpr, X_TMA: tl.constexpr, HAS_B: tl.constexpr,
-                           GELU: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
-                           PF_K: tl.constexpr, LINE: tl.constexpr):
+    def _tma_dot(acc, w, x, SWAP: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """acc + x @ w.T for a [BLOCK_N, BLOCK_K] weight tile (SWAP: acc.T + w @ x.T)."""
+        if not LIBDEVICE:             # Triton's CPU interpreter gets bf16 dots wrong (3.9)
+            w = w.to(tl.float32)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        return acc
+
+    @triton.jit
+    def _silu_mul(acc_g, acc_u, y_ptr, LIBDEVICE: tl.constexpr):
+        """silu(g) * u in y's dtype, rounded as HF's LlamaMLP rounds: each linear's output, the
+        SiLU, the product."""
+        dt = y_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        if LIBDEVICE:                 # PyTorch's SiLU: x / (1 + expf(-x)), IEEE division
+            s = libdevice.div_rn(g, 1.0 + libdevice.exp(-g))
+        else:
+            s = g / (1.0 + tl.exp(-g))
+        s = s.to(dt).to(tl.float32)
+        return (s * u).to(dt)
+
+    @triton.jit
+    def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, u_ptr, u_desc, bu_ptr, y_ptr, M, N, K, chunk,
+                           sx, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SWAP: tl.constexpr, PARTS: tl.constexpr, GATED: tl.constexpr, X_TMA: tl.constexpr,
+                           HAS_B: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr,
+                           PDL: tl.constexpr, PF_K: tl.constexpr, LINE: tl.constexpr):
         """`_linear_kernel` (PARTS: `_linear_part_kernel`, split s of K on program axis 1)
         with the weight tiles brought in by the Hopper tensor memory accelerator (TMA: one
         instruction per [BLOCK_N, BLOCK_K] tile, zero-filled past N and K) instead of
         per-thread loads. SWAP computes y.T = w @ x.T, so that the weight strip is the MMA's
         wide side (64+ rows: warpgroup MMA) and the few batch rows its narrow one. X_TMA: x's
-        tiles by TMA too (16-byte aligned x), else by pointer."""
+        tiles by TMA too (16-byte aligned x), else by pointer. GATED: `_gated_kernel`'s
+        silu(x @ w.T + b) * (x @ u.T + bu)."""
         s = tl.program_id(1)
         n0 = tl.program_id(0) * BLOCK_N
         offs_m = tl.arange(0, BLOCK_M)
@@ -993,15 +1019,22 @@ if triton is not None:
         start = s * chunk
         end = tl.minimum(start + chunk, K)
         bias = 0.0
+        bias_u = 0.0
         if HAS_B:
             bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            if GATED:
+                bias_u = tl.load(bu_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if PDL == 3 and PF_K > 0:
             _l2_prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), K, start, end, PF_K, LINE)
+            if GATED:
+                _l2_prefetch_rows(u_ptr, tl.minimum(offs_n, N - 1), K, start, end, PF_K, LINE)
         _pdl_enter(PDL)
         if SWAP:
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if GATED:
+            acc_u = tl.zeros_like(acc)
         for k0 in range(start, end, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < end
@@ -1012,16 +1045,22 @@ if triton is not None:
                 x = tl.load(x_ptr + offs_m[:, None] * sx + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                             other=0.0)
             if not LIBDEVICE:         # Triton's CPU interpreter gets bf16 dots wrong (3.9)
-                w = w.to(tl.float32)
                 x = x.to(tl.float32)
-            if SWAP:
-                acc = tl.dot(w, tl.trans(x), acc)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+            acc = _tma_dot(acc, w, x, SWAP, LIBDEVICE)
+            if GATED:
+                acc_u = _tma_dot(acc_u, u_desc.load([n0, k0]), x, SWAP, LIBDEVICE)
         if SWAP:
             acc = tl.trans(acc)
+            if GATED:
+                acc_u = tl.trans(acc_u)
         if PARTS:
             tl.store(y_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], acc,
+                     mask=m_ok[:, None] & n_ok[None, :])
+        elif GATED:
+            if HAS_B:
+                acc += bias[None, :]
+                acc_u += bias_u[None, :]
+            tl.store(y_ptr + offs_m[:, None] * sy + offs_n[None, :], _silu_mul(acc, acc_u, y_ptr, LIBDEVICE),
                      mask=m_ok[:, None] & n_ok[None, :])
         else:
             acc = _bias_gelu(acc, bias, y_ptr, HAS_B, GELU, LIBDEVICE)
@@ -1058,15 +1097,7 @@ if triton is not None:
         if HAS_B:
             acc_g += bias_g[None, :]
             acc_u += bias_u[None, :]
-        dt = y_ptr.dtype.element_ty
-        g = acc_g.to(dt).to(tl.float32)
-        u = acc_u.to(dt).to(tl.float32)
-        if LIBDEVICE:                 # PyTorch's SiLU: x / (1 + expf(-x)), IEEE division
-            s = libdevice.div_rn(g, 1.0 + libdevice.exp(-g))
-        else:
-            s = g / (1.0 + tl.exp(-g))
-        s = s.to(dt).to(tl.float32)
-        tl.store(y_ptr + offs_m[:, None] * sy + offs_n[None, :], (s * u).to(dt),
+        tl.store(y_ptr + offs_m[:, None] * sy + offs_n[None, :], _silu_mul(acc_g, acc_u, y_ptr, LIBDEVICE),
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -1145,9 +1176,10 @@ def _tma_ok(x, w) -> bool:
 
 
 def _linear_tma(x, w, b, gelu, splits: int, swap: int, bn: int, bk: int, warps: int = 4, stages=None,
-                parts: bool = False):
+                parts: bool = False, up: "tuple | None" = None):
     """`_linear_tma_kernel`: y = x @ w.T (+ b, GELU), or with `parts` the fp32 partials
-    [splits, M, N] that the add+norm kernel sums."""
+    [splits, M, N] that the add+norm kernel sums, or with `up` = (u, bu) LLaMA's
+    silu(x @ w.T + b) * (x @ u.T + bu)."""
     M, K = x.shape
     N = w.shape[0]
     chunk, splits = _even_chunks(K, splits, bk)
@@ -1160,11 +1192,14 @@ def _linear_tma(x, w, b, gelu, splits: int, swap: int, bn: int, bk: int, warps: 
     w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [bn, bk])
     x_tma = (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
     x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [bm, bk]) if x_tma else w_desc
+    u, bu = up if up is not None else (w, b)
+    u_desc = TensorDescriptor(u, [N, K], [u.stride(0), 1], [bn, bk]) if up is not None else w_desc
     _linear_tma_kernel[(triton.cdiv(N, bn), splits)](
-        x, x_desc, w, w_desc, b if b is not None else w, y, M, N, K, chunk, x.stride(0), y.stride(-2),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=bool(swap), PARTS=parts, X_TMA=x_tma,
+        x, x_desc, w, w_desc, b if b is not None else w, u, u_desc, bu if bu is not None else w, y, M, N, K, chunk,
+        x.stride(0), y.stride(-2),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=bool(swap), PARTS=parts, GATED=up is not None, X_TMA=x_tma,
         HAS_B=b is not None and not parts, GELU=0 if parts else _gelu_code(gelu), LIBDEVICE=not _interpreting(),
-        PDL=pdl, num_warps=warps, **_prefetch_args(pdl, bn, chunk, w),
+        PDL=pdl, num_warps=warps, **_prefetch_args(pdl, bn, chunk, w, None if up is None else PDL_PREFETCH // 2),
         **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
     return y
 
@@ -1234,7 +1269,10 @@ _TILES_TMA = ((1, 64, 128, 4), (1, 64, 256, 3), (1, 128, 128, 4), (1, 64, 64, 6)
 _REFINE_TMA = ((4, 3), (4, 4), (4, 5), (4, 6), (8, 4))
 
 
-def _linear_candidates(K: int, parts: bool, transposed: bool = False, tma: bool = False) -> dict:
+def _linear_candidates(K: int, parts: bool, transposed: bool = False, tma: bool = False,
+                       weights: int = 1) -> dict:
+    """name -> config of every kernel "auto" races for one shape (`weights` 2: the gated MLP's
+    gate and up, whose TMA tiles need twice the shared memory)."""
     out = {"cublas": None}
     for bn, bk in _TILES_T if transposed else _TILES:
         if not parts:
@@ -1244,6 +1282,8 @@ def _linear_candidates(K: int, parts: bool, transposed: bool = False, tma: bool 
             if K >= sp * bk:
                 out[f"triton split{sp} n{bn} k{bk}"] = (sp, bn, bk)
     for swap, bn, bk, st in _TILES_TMA if tma else ():
+        if st * (weights * bn + 16) * bk * 2 > 220 << 10:     # the stages' tiles, 16-bit
+            continue
         for sp in _SPLITS if parts else (1,):
             if K >= sp * bk:
                 out[_tma_name(("tma", sp, swap, bn, bk, 4, st), parts)] = ("tma", sp, swap, bn, bk, 4, st)
@@ -1314,7 +1354,7 @@ def _choose(key: tuple, run, w, tma: bool = False):
     if w0.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     cands = _linear_candidates(w0.shape[1], parts=key[1] == "linear+norm", transposed=w0.stride(-1) != 1,
-                               tma=tma)
+                               tma=tma, weights=len(w) if isinstance(w, tuple) else 1)
     copies, n_calls = _weight_copies(w)
     times = {}
 
@@ -1392,10 +1432,14 @@ def gated_mlp(x, wg, bg, wu, bu):
     M, K = x.shape
 
     def run(cfg, ws):
-        return gated_ref(x, ws[0], bg, ws[1], bu) if cfg is None else _gated_triton(x, ws[0], bg, ws[1], bu, *cfg)
+        if cfg is None:
+            return gated_ref(x, ws[0], bg, ws[1], bu)
+        if cfg[0] == "tma":
+            return _linear_tma(x, ws[0], bg, False, *cfg[1:], up=(ws[1], bu))
+        return _gated_triton(x, ws[0], bg, ws[1], bu, *cfg)
     key = (str(x.device), "gated", M, wg.shape[0], K, wg.stride(-1) != 1, str(x.dtype), bg is not None,
            *_launch_key(x.device))
-    return run(_choose(key, run, (wg, wu)), (wg, wu))
+    return run(_choose(key, run, (wg, wu), _tma_ok(x, wg) and _tma_ok(x, wu)), (wg, wu))
 
 
 # ---------------------------------------------------------------------------- argmax

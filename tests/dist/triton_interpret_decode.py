@@ -227,6 +227,11 @@ def check_linears():
             dt.LINEAR_FORCE = {"linear+norm": ("tma", splits, swap, bn, bk)}
             for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
                 torch.testing.assert_close(a.float(), e.float(), atol=8e-2, rtol=2e-2)
+        u = (torch.randn(N, K, generator=gen) / K ** 0.5).to(bf)             # LLaMA's gate and up
+        for xx, bias in ((x, None), (x_odd, b)):
+            dt.LINEAR_FORCE = {"gated": ("tma", 1, swap, bn, bk)}
+            torch.testing.assert_close(dt.gated_mlp(xx, w, bias, u, bias).float(),
+                                       dt.gated_ref(xx, w, bias, u, bias).float(), atol=4e-2, rtol=2e-2)
     dt.LINEAR_FORCE = None
 
 
