@@ -482,8 +482,9 @@ if triton is not None:
         """`_attn_load` from TMA tiles of the cache rows row0 + n0 .. (the keys past `end`
         are whatever the cache holds there, masked by `_attn_update`)."""
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = kv_desc.load([row0 + n0, 0])
-        v = kv_desc.load([row0 + n0, D])
+        row = (row0 + n0).to(tl.int32)            # TMA coordinates are 32-bit (n0 follows pos: 64)
+        k = kv_desc.load([row, 0])
+        v = kv_desc.load([row, D])
         kb = tl.load(b_base[:, None] + offs_n[None, :], mask=gmask[:, None] & (offs_n < end)[None, :], other=0.0)
         return k, v, kb
 
