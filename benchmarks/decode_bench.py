@@ -179,7 +179,7 @@ def hf_run(model, ids, mask, T, keep_logits):
 _KNOBS = [(decode, "DECODE_SDPA_BACKENDS")] + [(decode.decode_triton, name) for name in (
     "ATTN_SPLITS", "ATTN_BLOCK_N", "FUSE_KV_WRITE", "ATTN_INLINE_COMBINE", "DECODE_LINEAR", "TRITON_ARGMAX",
     "ATTN_DOT", "PDL", "_TUNE_MARGIN", "PDL_PREFETCH", "PDL_PREFETCH_ATTN", "ATTN_PAD_HEAD_DIM", "FUSE_GATED", "ATTN_WARPS",
-    "ATTN_PV_LOW", "ATTN_SKIP_PAD", "LINEAR_TMA", "ATTN_TMA")]
+    "ATTN_PV_LOW", "ATTN_SKIP_PAD", "LINEAR_TMA")]
 
 
 @contextlib.contextmanager
@@ -202,7 +202,7 @@ def variant(numerics: str):
     attention, p.V with p rounded to the cache dtype or in TF32 (ATTN_PV_LOW); "skippad" /
     "noskippad": the Triton attention skips each row's left padding or reads every slot
     (ATTN_SKIP_PAD); "tma" / "notma": the TMA linears raced in the per-shape choice or not
-    (LINEAR_TMA); "atma" / "noatma": the attention's K/V by TMA tiles or not (ATTN_TMA)
+    (LINEAR_TMA)
     """
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
@@ -239,8 +239,6 @@ def variant(numerics: str):
             dtr.ATTN_SKIP_PAD = f == "skippad"
         if f in ("tma", "notma"):   # the launch key holds LINEAR_TMA: the per-shape choice is made again
             dtr.LINEAR_TMA = f == "tma"
-        if f in ("atma", "noatma"):
-            dtr.ATTN_TMA = f == "atma"
         if f.startswith("aw") and f[2:].isdigit():
             dtr.ATTN_WARPS = int(f[2:])
         if f in ("pdl0", "pdl1", "pdl2", "pdl3"):

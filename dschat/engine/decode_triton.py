@@ -432,11 +432,6 @@ ATTN_PAD_HEAD_DIM = True
 # bf16 batch 16, prompts 128..256 of 256 (RESULTS_decode.md run 12): bloom-7b1 4.732 vs
 # 4.804 ms/step, llama-7b 4.721 vs 4.757, bloom-560m 0.884 vs 0.890.
 ATTN_SKIP_PAD = True
-# Keys and values by TMA tiles (Hopper's tensor memory accelerator) from the cache viewed as
-# [B * Hkv * L, 2 * head_dim] rows, instead of per-thread loads. A tile may run past the keys
-# a program reads into slots that are masked (the scores to -inf, so p is exactly 0 there:
-# the cache is zero-filled at allocation, so whatever lies there is finite and adds nothing).
-ATTN_TMA = False
 
 
 def decode_attention_ref(q, kv, key_bias, pos, scale: float):
@@ -475,17 +470,6 @@ if triton is not None:
         k = tl.load(kv_base + offs_n[:, None] * skv_l + offs_d[None, :], mask=kmask, other=0.0)
         v = tl.load(kv_base + offs_n[:, None] * skv_l + D + offs_d[None, :], mask=kmask, other=0.0)
         kb = tl.load(b_base[:, None] + offs_n[None, :], mask=gmask[:, None] & valid[None, :], other=0.0)
-        return k, v, kb
-
-    @triton.jit
-    def _attn_load_tma(kv_desc, row0, b_base, n0, end, gmask, D: tl.constexpr, BLOCK_N: tl.constexpr):
-        """`_attn_load` from TMA tiles of the cache rows row0 + n0 .. (the keys past `end`
-        are whatever the cache holds there, masked by `_attn_update`)."""
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        row = (row0 + n0).to(tl.int32)            # TMA coordinates are 32-bit (n0 follows pos: 64)
-        k = kv_desc.load([row, 0])
-        v = kv_desc.load([row, D])
-        kb = tl.load(b_base[:, None] + offs_n[None, :], mask=gmask[:, None] & (offs_n < end)[None, :], other=0.0)
         return k, v, kb
 
     @triton.jit
@@ -555,15 +539,15 @@ if triton is not None:
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=_lanes((offs_g < G)[:, None], offs_d, D, DP))
 
     @triton.jit
-    def _attn_split_kernel(q_ptr, kv_ptr, kv_desc, bias_ptr, pos_ptr, first_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                           new_ptr, count_ptr, Hkv, L, chunk, scale,
+    def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, first_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                           new_ptr, count_ptr, Hkv, chunk, scale,
                            sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h, sn_b, sn_h, sn_v,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
                            FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr, DOT: tl.constexpr,
                            GS: tl.constexpr, PDL: tl.constexpr, PF_N: tl.constexpr,
                            LINE: tl.constexpr, DP: tl.constexpr, PV_LOW: tl.constexpr,
-                           SKIP_PAD: tl.constexpr, KV_TMA: tl.constexpr):
+                           SKIP_PAD: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
@@ -619,23 +603,16 @@ if triton is not None:
             tl.store(kv_base + p * skv_l + offs_d, k_new, mask=dmask)
             tl.store(kv_base + p * skv_l + D + offs_d, v_new, mask=dmask)
             kb_new = tl.load(b_base + p, mask=offs_g < G * own, other=0.0).to(tl.float32)
-        row0 = bh * L                                 # KV_TMA: this (row, head)'s first cache row
         if WHILE:                                     # Triton's CPU interpreter path
             n0 = start
             while n0 < end:
-                if KV_TMA:
-                    k, v, kb = _attn_load_tma(kv_desc, row0, b_base, n0, end, gmask, D, BLOCK_N)
-                else:
-                    k, v, kb = _attn_load(kv_base, b_base, n0, end, skv_l, gmask, offs_d, D, BLOCK_N, DP)
+                k, v, kb = _attn_load(kv_base, b_base, n0, end, skv_l, gmask, offs_d, D, BLOCK_N, DP)
                 m_i, l_i, acc = _attn_update(qb, k, v, kb, n0, end, m_i, l_i, acc, scale, BLOCK_N, GP,
                                              DOT, WHILE, PV_LOW)
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
-                if KV_TMA:
-                    k, v, kb = _attn_load_tma(kv_desc, row0, b_base, n0, end, gmask, D, BLOCK_N)
-                else:
-                    k, v, kb = _attn_load(kv_base, b_base, n0, end, skv_l, gmask, offs_d, D, BLOCK_N, DP)
+                k, v, kb = _attn_load(kv_base, b_base, n0, end, skv_l, gmask, offs_d, D, BLOCK_N, DP)
                 m_i, l_i, acc = _attn_update(qb, k, v, kb, n0, end, m_i, l_i, acc, scale, BLOCK_N, GP,
                                              DOT, WHILE, PV_LOW)
         if FUSED:
@@ -791,19 +768,14 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, key_start=
     if skip and (key_start.dtype != torch.int32 or key_start.shape != (B,) or key_start.stride(0) != 1):
         raise ValueError(f"key_start must be a contiguous int32 [{B}] tensor, got "
                          f"{key_start.dtype} {tuple(key_start.shape)}")
-    # TMA tiles: the cache's rows [B * Hkv * L, 2 * D] contiguous, D a power of two
-    kv_tma = (ATTN_TMA and TensorDescriptor is not None and kv.is_contiguous() and DP == D
-              and (D * kv.element_size()) % 16 == 0 and kv.data_ptr() % 16 == 0
-              and (_interpreting() or torch.cuda.get_device_capability(kv.device)[0] >= 9))
-    kv_desc = TensorDescriptor(kv, [B * Hkv * L, 2 * D], [2 * D, 1], [bn, D]) if kv_tma else kv
     _attn_split_kernel[(B * Hkv, S)](
-        q, kv, kv_desc, key_bias, pos, key_start if skip else pos, out, m, l, acc, new, count, Hkv, L, chunk,
+        q, kv, key_bias, pos, key_start if skip else pos, out, m, l, acc, new, count, Hkv, chunk,
         float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
         G=G, GP=GP, D=D, DP=DP, BLOCK_N=bn,
         SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
-        PDL=pdl, PF_N=pf_n, LINE=line, PV_LOW=dot and ATTN_PV_LOW, SKIP_PAD=skip, KV_TMA=kv_tma,
+        PDL=pdl, PF_N=pf_n, LINE=line, PV_LOW=dot and ATTN_PV_LOW, SKIP_PAD=skip,
         num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages,
         **_pdl_launch(pdl))
     if S > 1 and not inline:
