@@ -971,7 +971,7 @@ if triton is not None:
 
     @triton.jit
     def _linear_tma_kernel(x_ptr, x_desc, w_ptr, w_desc, b_ptr, u_ptr, u_desc, bu_ptr, y_ptr, M, N, K, chunk,
-                           sx, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           sx, sw, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SWAP: tl.constexpr, PARTS: tl.constexpr, GATED: tl.constexpr, X_TMA: tl.constexpr,
                            HAS_B: tl.constexpr, GELU: tl.constexpr, LIBDEVICE: tl.constexpr,
                            PDL: tl.constexpr, PF_K: tl.constexpr, LINE: tl.constexpr):
@@ -998,9 +998,9 @@ if triton is not None:
             if GATED:
                 bias_u = tl.load(bu_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if PDL == 3 and PF_K > 0:
-            _l2_prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), K, start, end, PF_K, LINE)
+            _l2_prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), sw, start, end, PF_K, LINE)
             if GATED:
-                _l2_prefetch_rows(u_ptr, tl.minimum(offs_n, N - 1), K, start, end, PF_K, LINE)
+                _l2_prefetch_rows(u_ptr, tl.minimum(offs_n, N - 1), sw, start, end, PF_K, LINE)
         _pdl_enter(PDL)
         if SWAP:
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -1166,10 +1166,12 @@ def _linear_tma(x, w, b, gelu, splits: int, swap: int, bn: int, bk: int, warps: 
     x_tma = (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
     x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [bm, bk]) if x_tma else w_desc
     u, bu = up if up is not None else (w, b)
+    if u.stride() != w.stride():
+        raise ValueError(f"gate and up weights must have the same strides, got {w.stride()} and {u.stride()}")
     u_desc = TensorDescriptor(u, [N, K], [u.stride(0), 1], [bn, bk]) if up is not None else w_desc
     _linear_tma_kernel[(triton.cdiv(N, bn), splits)](
         x, x_desc, w, w_desc, b if b is not None else w, u, u_desc, bu if bu is not None else w, y, M, N, K, chunk,
-        x.stride(0), y.stride(-2),
+        x.stride(0), w.stride(0), y.stride(-2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=bool(swap), PARTS=parts, GATED=up is not None, X_TMA=x_tma,
         HAS_B=b is not None and not parts, GELU=0 if parts else _gelu_code(gelu), LIBDEVICE=not _interpreting(),
         PDL=pdl, num_warps=warps, **_prefetch_args(pdl, bn, chunk, w, None if up is None else PDL_PREFETCH // 2),
