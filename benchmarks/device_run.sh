@@ -22,6 +22,8 @@ if [ "$what" = gen ]; then
 elif [ "$what" = decode ]; then
   python3 benchmarks/attn_bench.py --out "$out" 2>&1 | grep -v -i warn
   python3 benchmarks/linear_bench.py --out "$out" 2>&1 | grep -v -i warn
+  python3 benchmarks/linear_bench.py --tma --shapes "7b1 qkv" "7b1 dense" "7b1 fc1+gelu" "7b1 fc2" "7b1 head" \
+    --out "$out" 2>&1 | grep -v -i warn
   python3 benchmarks/decode_bench.py --plan candidates --profile bloom-560m --out "$out" 2>&1 | grep -v -i warn
 elif [ "$what" = profile7b ]; then
   python3 benchmarks/decode_bench.py --plan bloom-7b1:bf16:16 --numerics fast --profile bloom-7b1 \

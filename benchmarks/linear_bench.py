@@ -4,7 +4,9 @@ bloom-560m and bloom-7b1 with 1, 16 and 64 rows, each call replayed from a CUDA 
 the fast decode path runs it. Prints the best Triton variants per shape and writes a table
 (microseconds, weight TB/s, max difference to cuBLAS).
 
-    python benchmarks/linear_bench.py [--out DIR] [--smoke]
+    python benchmarks/linear_bench.py [--out DIR] [--smoke] [--wide | --tma] [--shapes ...]
+
+--tma sweeps the TMA linear (RESULTS_decode.md run 13: its tiles for the per-shape race).
 """
 from __future__ import annotations
 
@@ -97,10 +99,10 @@ def main():
               + "; ".join(f"{r['variant']} {r['us']:.2f}us" for r in best), flush=True)
     write_sweep(args.out, "linear", "decode linears", "rows", "weight TB/s", "max abs diff to cuBLAS", rows)
 
-def wide(args):
-    """The decode_triton "auto" candidates and a wider grid around them, at 16 rows."""
-    dev, dtype, M = torch.device("cuda"), torch.bfloat16, 16
-    rows = []
+def shape_cases(args, dev, M: int):
+    """(name, N, K, gelu, x, w, b, norm, r, nw, nb) per shape of --shapes, bf16, seeded: norm
+    marks the output projections, whose residual add + LayerNorm (r, nw, nb) follows."""
+    dtype = torch.bfloat16
     for name, (N, K, gelu) in SHAPES.items():
         if args.shapes and name not in args.shapes:
             continue
@@ -108,8 +110,15 @@ def wide(args):
         x = torch.randn(M, K, device=dev, dtype=dtype)
         w = (torch.randn(N, K, device=dev) / K ** 0.5).to(dtype)
         b = None if "head" in name else (torch.randn(N, device=dev) * 0.1).to(dtype)
-        norm = name.endswith(("dense", "fc2"))          # a residual add + LayerNorm follows
         r, nw, nb = (torch.randn(*s, device=dev, dtype=dtype) for s in ((M, N), (N,), (N,)))
+        yield name, N, K, gelu, x, w, b, name.endswith(("dense", "fc2")), r, nw, nb
+
+
+def wide(args):
+    """The decode_triton "auto" candidates and a wider grid around them, at 16 rows."""
+    dev, M = torch.device("cuda"), 16
+    rows = []
+    for name, N, K, gelu, x, w, b, norm, r, nw, nb in shape_cases(args, dev, M):
         nbytes = N * K * 2
         copies, n_calls = dt._weight_copies(w)
         if norm:
@@ -146,21 +155,13 @@ def tma(args):
     """Per shape at 16 rows: cuBLAS, the best of the candidates "auto" races without TMA, and
     the TMA linear over (swap, BLOCK_N, BLOCK_K, stages[, splits]); each with its max abs
     difference to an fp32 reference relative to the reference's max."""
-    dev, dtype, M = torch.device("cuda"), torch.bfloat16, 16
+    dev, M = torch.device("cuda"), 16
     tma_grid = [(swap, bn, bk, st) for swap, bn, bk in ((1, 64, 64), (1, 64, 128), (1, 64, 256), (1, 128, 64),
                                                        (1, 128, 128), (1, 128, 256), (0, 32, 128), (0, 32, 256),
                                                        (0, 64, 128), (0, 64, 256))
                 for st in ((4, 6) if bk <= 128 else (3, 4))]
     rows = []
-    for name, (N, K, gelu) in SHAPES.items():
-        if args.shapes and name not in args.shapes:
-            continue
-        torch.manual_seed(0)
-        x = torch.randn(M, K, device=dev, dtype=dtype)
-        w = (torch.randn(N, K, device=dev) / K ** 0.5).to(dtype)
-        b = None if "head" in name else (torch.randn(N, device=dev) * 0.1).to(dtype)
-        norm = name.endswith(("dense", "fc2"))          # split-K partials, summed by the add+norm kernel
-        r, nw, nb = (torch.randn(*s, device=dev, dtype=dtype) for s in ((M, N), (N,), (N,)))
+    for name, N, K, gelu, x, w, b, norm, r, nw, nb in shape_cases(args, dev, M):
         copies, n_calls = dt._weight_copies(w)
         if norm:
             ref = dt.add_norm_ref(dt.linear_ref(x.float(), w.float(), b.float()), r.float(), nw.float(), nb.float(),
