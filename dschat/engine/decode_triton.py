@@ -1179,6 +1179,15 @@ def _linear_tma(x, w, b, gelu, splits: int, swap: int, bn: int, bk: int, warps: 
     return y
 
 
+def _usable(cfg, x, w):
+    """cfg, or None (cuBLAS) for a TMA config this weight cannot take: a shape's choice is
+    made on one weight and reused for every weight of that shape, and TMA needs 16-byte
+    aligned ones (a view into a fused buffer may not be)."""
+    if cfg is not None and cfg[0] == "tma" and not all(_tma_ok(x, t) for t in (w if isinstance(w, tuple) else (w,))):
+        return None
+    return cfg
+
+
 def _run_linear(x, w, b, gelu, cfg):
     """A Triton linear by its candidate config: (BLOCK_N, BLOCK_K[, warps, stages]) for
     `_linear_kernel`, ("tma", 1, swap, BLOCK_N, BLOCK_K[, warps, stages]) for the TMA one."""
@@ -1371,7 +1380,7 @@ def tuned_linear(x, w, b=None, gelu: "bool | str" = False, epilogue: bool = Fals
         return cublas(w_) if cfg is None else _run_linear(x, w_, b, gelu, cfg)
     key = (str(x.device), "linear", M, w.shape[0], K, w.stride(-1) != 1, str(x.dtype), b is not None, gelu,
            *_launch_key(x.device))
-    return run(_choose(key, run, w, _tma_ok(x, w)), w)
+    return run(_usable(_choose(key, run, w, _tma_ok(x, w)), x, w), w)
 
 
 def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool, y2=None, second=None):
@@ -1389,7 +1398,7 @@ def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool, y2=None, second=N
                                 y2=y2, second=second)
     key = (str(a.device), "linear+norm", M, w.shape[0], K, w.stride(-1) != 1, str(a.dtype), b is not None,
            bool(rms), y2 is not None, second is not None, *_launch_key(a.device))
-    return run(_choose(key, run, w, _tma_ok(a, w)), w)
+    return run(_usable(_choose(key, run, w, _tma_ok(a, w)), a, w), w)
 
 
 # LLaMA-style blocks (SiLU) run act(gate(h)) * up(h) through `gated_mlp` (False: two tuned
@@ -1414,7 +1423,7 @@ def gated_mlp(x, wg, bg, wu, bu):
         return _gated_triton(x, ws[0], bg, ws[1], bu, *cfg)
     key = (str(x.device), "gated", M, wg.shape[0], K, wg.stride(-1) != 1, str(x.dtype), bg is not None,
            *_launch_key(x.device))
-    return run(_choose(key, run, (wg, wu), _tma_ok(x, wg) and _tma_ok(x, wu)), (wg, wu))
+    return run(_usable(_choose(key, run, (wg, wu), _tma_ok(x, wg) and _tma_ok(x, wu)), x, (wg, wu)), (wg, wu))
 
 
 # ---------------------------------------------------------------------------- argmax

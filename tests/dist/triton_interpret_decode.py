@@ -221,6 +221,11 @@ def check_linears():
             dt.LINEAR_FORCE = {"linear+norm": ("tma", splits, swap, bn, bk)}
             for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
                 torch.testing.assert_close(a.float(), e.float(), atol=8e-2, rtol=2e-2)
+        # a weight TMA cannot address (base 2 bytes off 16) gets cuBLAS's path, not a TMA launch
+        w_odd = torch.empty(N * K + 1, dtype=bf)[1:].view(N, K).copy_(w)
+        assert not dt._tma_ok(x, w_odd)
+        dt.LINEAR_FORCE = {"linear": ("tma", 1, swap, bn, bk)}
+        assert torch.equal(dt.tuned_linear(x, w_odd, b), dt.linear_ref(x, w_odd, b))
         u = (torch.randn(N, K, generator=gen) / K ** 0.5).to(bf)             # LLaMA's gate and up
         for xx, bias in ((x, None), (x_odd, b)):
             dt.LINEAR_FORCE = {"gated": ("tma", 1, swap, bn, bk)}
