@@ -949,6 +949,7 @@ if triton is not None:
         """acc + x @ w.T for a [BLOCK_N, BLOCK_K] weight tile (SWAP: acc.T + w @ x.T)."""
         if not LIBDEVICE:             # Triton's CPU interpreter gets bf16 dots wrong (3.9)
             w = w.to(tl.float32)
+            x = x.to(tl.float32)
         if SWAP:
             acc = tl.dot(w, tl.trans(x), acc)
         else:
@@ -984,11 +985,7 @@ if triton is not None:
         silu(x @ w.T + b) * (x @ u.T + bu)."""
         s = tl.program_id(1)
         n0 = tl.program_id(0) * BLOCK_N
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
+        offs_m, offs_n, offs_k, m_ok, n_ok = _strip(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         start = s * chunk
         end = tl.minimum(start + chunk, K)
         bias = 0.0
@@ -1017,8 +1014,6 @@ if triton is not None:
             else:
                 x = tl.load(x_ptr + offs_m[:, None] * sx + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                             other=0.0)
-            if not LIBDEVICE:         # Triton's CPU interpreter gets bf16 dots wrong (3.9)
-                x = x.to(tl.float32)
             acc = _tma_dot(acc, w, x, SWAP, LIBDEVICE)
             if GATED:
                 acc_u = _tma_dot(acc_u, u_desc.load([n0, k0]), x, SWAP, LIBDEVICE)
@@ -1179,13 +1174,12 @@ def _linear_tma(x, w, b, gelu, splits: int, swap: int, bn: int, bk: int, warps: 
     return y
 
 
-def _usable(cfg, x, w):
-    """cfg, or None (cuBLAS) for a TMA config this weight cannot take: a shape's choice is
-    made on one weight and reused for every weight of that shape, and TMA needs 16-byte
-    aligned ones (a view into a fused buffer may not be)."""
-    if cfg is not None and cfg[0] == "tma" and not all(_tma_ok(x, t) for t in (w if isinstance(w, tuple) else (w,))):
-        return None
-    return cfg
+def _usable(cfg, tma: bool):
+    """cfg, or None (cuBLAS) for a TMA config where this call's weights cannot take TMA
+    (`tma`: their `_tma_ok`): a shape's choice is made on one weight and reused for every
+    weight of that shape, and TMA needs 16-byte aligned ones (a view into a fused buffer may
+    not be)."""
+    return None if cfg is not None and cfg[0] == "tma" and not tma else cfg
 
 
 def _run_linear(x, w, b, gelu, cfg):
@@ -1380,7 +1374,8 @@ def tuned_linear(x, w, b=None, gelu: "bool | str" = False, epilogue: bool = Fals
         return cublas(w_) if cfg is None else _run_linear(x, w_, b, gelu, cfg)
     key = (str(x.device), "linear", M, w.shape[0], K, w.stride(-1) != 1, str(x.dtype), b is not None, gelu,
            *_launch_key(x.device))
-    return run(_usable(_choose(key, run, w, _tma_ok(x, w)), x, w), w)
+    tma = _tma_ok(x, w)
+    return run(_usable(_choose(key, run, w, tma), tma), w)
 
 
 def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool, y2=None, second=None):
@@ -1398,7 +1393,8 @@ def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool, y2=None, second=N
                                 y2=y2, second=second)
     key = (str(a.device), "linear+norm", M, w.shape[0], K, w.stride(-1) != 1, str(a.dtype), b is not None,
            bool(rms), y2 is not None, second is not None, *_launch_key(a.device))
-    return run(_usable(_choose(key, run, w, _tma_ok(a, w)), a, w), w)
+    tma = _tma_ok(a, w)
+    return run(_usable(_choose(key, run, w, tma), tma), w)
 
 
 # LLaMA-style blocks (SiLU) run act(gate(h)) * up(h) through `gated_mlp` (False: two tuned
@@ -1423,7 +1419,8 @@ def gated_mlp(x, wg, bg, wu, bu):
         return _gated_triton(x, ws[0], bg, ws[1], bu, *cfg)
     key = (str(x.device), "gated", M, wg.shape[0], K, wg.stride(-1) != 1, str(x.dtype), bg is not None,
            *_launch_key(x.device))
-    return run(_usable(_choose(key, run, (wg, wu), _tma_ok(x, wg) and _tma_ok(x, wu)), x, (wg, wu)), (wg, wu))
+    tma = _tma_ok(x, wg) and _tma_ok(x, wu)
+    return run(_usable(_choose(key, run, (wg, wu), tma), tma), (wg, wu))
 
 
 # ---------------------------------------------------------------------------- argmax
