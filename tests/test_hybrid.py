@@ -209,6 +209,9 @@ def test_zero3_families_lora_full_layered_hooks(tmp_path):
             assert c["direct_equals_deepspeed_fill"], tag
             assert c["fill_gathers"]["direct"] > 0, tag
             assert (c["fill_gathers"]["deepspeed"] > 0) == c["lora"], (tag, c["fill_gathers"])
+        padded = result["padded_shards"]
+        assert padded["padded"] > 0 and padded["persistent"] > 0, padded
+        assert padded["full_equal"] and padded["layered_equal"] and padded["full_equals_source"], padded
 
 
 def test_zero_stages_offload_gathered_budget(tmp_path):

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -371,87 +372,162 @@ class PendingGather:
             self.params = []
 
 
-# Replica fills read the ZeRO-3 shards straight into the replica: one all-gather of the
-# group's shards into a flat buffer, then each parameter's rank slices copied (and cast)
-# into its replica tensor. DeepSpeed's own fetch (PendingGather) also rebuilds every
-# param.data with a concatenation and re-partitions it afterwards, Python work per
-# parameter that a replica fill does not need. False: DeepSpeed's fetch everywhere (A/B).
+# Replica fills read the ZeRO-3 shards straight into the replica: one all-gather of a
+# unit's shards into a flat buffer, then one multi-tensor copy (with the dtype cast) of
+# every rank's slice of every parameter into its replica tensor. DeepSpeed's own fetch
+# (PendingGather) also rebuilds every param.data with a concatenation and re-partitions it
+# afterwards, Python work per parameter that a replica fill does not need. False:
+# DeepSpeed's fetch everywhere (A/B).
 DIRECT_FILL = True
 
 
-class ShardGather:
-    """The partitioned ZeRO-3 params among `params` all-gathered from their shards
-    (`ds_tensor`) into one flat buffer, started on construction; no param.data is made
-    available and no ZeRO state changes. `copy_into(p, dst)` writes p's full value into
-    dst. Only for params `eligible` says it can serve; PendingGather serves the rest."""
+@functools.cache
+def _zero_status():
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return ZeroParamStatus
 
-    def __init__(self, params: Iterable[torch.Tensor]):
-        self.params = [p for p in dict.fromkeys(params) if _needs_gather(p)]
+
+class DirectPlan:
+    """How one fill unit (a gather group, or a layered chunk of groups) is copied straight
+    from the ZeRO-3 shards into the replica. Built once per unit and per pattern of which
+    of its params are partitioned (`pattern`), then reused by every refill: it fixes the
+    views a fill would otherwise build per parameter, the host work that dominated a
+    refill (each replica tensor split into its ranks' pieces, and the sizes that split the
+    gathered buffer into the matching pieces).
+
+    `params`: the unit's partitioned params, in all-gather order: rank r's slice of the
+    gathered buffer is its shards of them, concatenated; shard i holds elements
+    [r * n_i, (r + 1) * n_i) of the flattened param (the last ones padded). `plain`
+    items' sources are whole already (unpartitioned, or persistent ZeRO-3 params).
+    `usable` is False where a fill cannot go this way (a LoRA delta to merge; shards
+    offloaded, split by ZeRO++, or in mixed groups or dtypes; a non-contiguous replica
+    tensor; a partitioned source outside the unit): DeepSpeed's fetch serves those.
+    """
+
+    def __init__(self, params: list, items: list):
+        NA = _zero_status().NOT_AVAILABLE
+        self.params = [p for p in params if is_zero3_param(p) and p.ds_status == NA]
         self.nbytes = sum(full_nbytes(p) for p in self.params)
-        self.handle = self.flat = None
-        self.offset, self.part = {}, 0          # id(param) -> its start in each rank's slice
-        if not self.params:
+        self.world, self.rank, self.group, self.part = 1, 0, None, 0
+        self.split: list[list[int]] = []           # per rank: [valid_0, pad_0, valid_1, ...]
+        self.dst: list[torch.Tensor] = []          # replica pieces, one per (param, rank)
+        self.src_index: list[tuple[int, int]] = [] # (rank, index into that rank's split)
+        self.plain_dst: list[torch.Tensor] = []
+        self.plain_src: list[torch.Tensor] = []
+        self.usable = all(item.lora is None for item in items) and self._direct_shards()
+        if not self.usable:
             return
-        from deepspeed import comm as dist
-        group = self.params[0].ds_process_group
-        self.world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        for p in self.params:
-            self.offset[id(p)] = self.part
-            self.part += p.ds_tensor.ds_numel
-        shard = self.params[0].ds_tensor
-        self.flat = torch.empty(self.world * self.part, dtype=shard.dtype, device=shard.device)
-        local = self.flat.narrow(0, rank * self.part, self.part)
-        torch.cat([p.ds_tensor.view(-1)[:p.ds_tensor.ds_numel] for p in self.params], out=local)
-        self.handle = dist.allgather_fn(self.flat, local, group=group, async_op=True)
+        if self.params:
+            from deepspeed import comm as dist
+            self.group = self.params[0].ds_process_group
+            self.world, self.rank = dist.get_world_size(group=self.group), dist.get_rank(group=self.group)
+        shard = [p.ds_tensor.ds_numel for p in self.params]
+        self.part = sum(shard)
+        self.whole_shards = all(p.ds_tensor.dim() == 1 and p.ds_tensor.numel() == n
+                                for p, n in zip(self.params, shard))
+        valid = [[max(0, min(n, p.ds_numel - r * n)) for p, n in zip(self.params, shard)]
+                 for r in range(self.world)]
+        self.split = [[s for v, n in zip(row, shard) for s in (v, n - v)] for row in valid]
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for item in items:
+            i = index.get(id(item.src))
+            if i is None:
+                if is_zero3_param(item.src) and item.src.ds_status != _zero_status().AVAILABLE:
+                    self.usable = False
+                    return
+                self.plain_dst.append(item.dst)
+                self.plain_src.append(item.src)
+            elif not item.dst.is_contiguous():
+                self.usable = False
+                return
+            else:
+                sizes = [valid[r][i] for r in range(self.world)]
+                self.dst.extend(item.dst.view(-1).split([s for s in sizes if s]))
+                self.src_index.extend((r, 2 * i) for r in range(self.world) if sizes[r])
 
-    @staticmethod
-    def eligible(params: Iterable[torch.Tensor]) -> bool:
+    def _direct_shards(self) -> bool:
         """One process group and shard dtype, shards on the accelerator (not offloaded to
         CPU or NVMe), no ZeRO++ secondary partition, shards in the parameter's own dtype."""
-        todo = [p for p in dict.fromkeys(params) if _needs_gather(p)]
-        if not todo:
+        if not self.params:
             return True
         from deepspeed.accelerator import get_accelerator
         device = torch.device(get_accelerator().current_device_name())
-        first = todo[0]
+        first = self.params[0]
         return all(p.ds_process_group is first.ds_process_group and p.ds_tensor.dtype == p.dtype == first.dtype
                    and p.ds_tensor.device == device and getattr(p.ds_tensor, "final_location", None) is None
-                   and getattr(p, "ds_secondary_tensor", None) is None for p in todo)
+                   and getattr(p, "ds_secondary_tensor", None) is None for p in self.params)
 
-    def holds(self, p: torch.Tensor) -> bool:
-        return id(p) in self.offset
+    @staticmethod
+    def pattern(params: list) -> tuple:
+        """Which of `params` are partitioned right now (a plan holds for one pattern)."""
+        NA = _zero_status().NOT_AVAILABLE
+        return tuple(is_zero3_param(p) and p.ds_status == NA for p in params)
+
+
+class ShardGather:
+    """A `DirectPlan`'s all-gather of the shards (`ds_tensor`) into one flat buffer,
+    started on construction; no param.data is made available and no ZeRO state changes.
+    `copy()` then writes every item of the plan into the replica. At world size 1 the
+    shards are the whole params and are copied from directly."""
+
+    def __init__(self, plan: DirectPlan):
+        self.plan, self.params, self.nbytes = plan, plan.params, plan.nbytes
+        self.handle = self.flat = None
+        self.shards = [p.ds_tensor for p in plan.params]
+        if not self.shards or (plan.world == 1 and plan.whole_shards):
+            return
+        from deepspeed import comm as dist
+        shard = self.shards[0]
+        self.flat = torch.empty(plan.world * plan.part, dtype=shard.dtype, device=shard.device)
+        local = self.flat.narrow(0, plan.rank * plan.part, plan.part)
+        torch.cat(self.shards if plan.whole_shards else
+                  [s.view(-1).narrow(0, 0, s.ds_numel) for s in self.shards], out=local)
+        self.handle = dist.allgather_fn(self.flat, local, group=plan.group, async_op=True)
 
     def wait(self) -> None:
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
 
-    def copy_into(self, p: torch.Tensor, dst: torch.Tensor) -> None:
-        """dst[...] = p's full value: rank r's shard holds elements [r * n, (r + 1) * n)
-        of the flattened parameter (n = the shard size; the last one padded)."""
+    def copy(self) -> None:
+        """Every item of the plan, written into the replica in one multi-tensor copy."""
         self.wait()
-        n, total, off = p.ds_tensor.ds_numel, p.ds_numel, self.offset[id(p)]
-        parts = [self.flat.narrow(0, r * self.part + off, min(n, total - r * n))
-                 for r in range(self.world) if r * n < total]
-        if dst.is_contiguous():
-            flat_dst, start = dst.view(-1), 0
-            for part in parts:
-                flat_dst.narrow(0, start, part.numel()).copy_(part)
-                start += part.numel()
+        plan = self.plan
+        if self.flat is None:
+            src = [self.shards[k // 2] for _, k in plan.src_index]
         else:
-            dst.copy_(torch.cat(parts).view(p.ds_shape))
+            rows = self.flat.view(plan.world, plan.part)
+            pieces = [rows[r].split(plan.split[r]) for r in range(plan.world)]
+            src = [pieces[r][k] for r, k in plan.src_index]
+        with torch.no_grad():
+            torch._foreach_copy_(plan.dst + plan.plain_dst, src + plan.plain_src)
 
     def release(self) -> None:
         self.wait()
-        self.flat, self.params, self.offset = None, [], {}
+        self.flat, self.shards, self.params = None, [], []
 
 
-def _fill_gather(params: list, items: list) -> "ShardGather | PendingGather":
-    """The gather for a replica fill of `items` (_Copy) from `params`: straight from the
-    shards where it can serve (no LoRA: its delta is computed from gathered params)."""
-    if DIRECT_FILL and all(item.lora is None for item in items) and ShardGather.eligible(params):
-        return ShardGather(params)
-    return PendingGather(params)
+def _direct_plan(params: list, items: list, plans: dict, unit: str) -> Optional[DirectPlan]:
+    """The plan that fills `items` (_Copy) straight from the shards of `params`, cached in
+    `plans` under `unit`; None where DeepSpeed's fetch has to serve (see DirectPlan)."""
+    if not DIRECT_FILL:
+        return None
+    params = list(dict.fromkeys(params))
+    pattern = DirectPlan.pattern(params)
+    cached = plans.get(unit)
+    if cached is None or cached[0] != pattern:
+        cached = plans[unit] = (pattern, DirectPlan(params, items))
+    return cached[1] if cached[1].usable else None
+
+
+def _fill_gather(params: list, plan: Optional[DirectPlan]) -> "ShardGather | PendingGather":
+    """Start a replica fill's gather: by `plan` where there is one, else DeepSpeed's fetch."""
+    return ShardGather(plan) if plan is not None else PendingGather(params)
+
+
+def _fill_nbytes(params: list, plan: Optional[DirectPlan]) -> int:
+    """Bytes a fill's gather will hold (the lease to take before starting it)."""
+    return plan.nbytes if plan is not None else sum(full_nbytes(p) for p in params if _needs_gather(p))
 
 
 # --------------------------------------------------------------------- replicas
@@ -577,6 +653,7 @@ class ReplicaBinding:
     plan: GatherPlan
     copies: dict[str, list[_Copy]] = field(default_factory=dict)
     buffers: list[_Copy] = field(default_factory=list)
+    plans: dict = field(default_factory=dict)    # fill unit -> (pattern, DirectPlan)
 
     @classmethod
     def build(cls, src_module: nn.Module, replica: nn.Module, plan: Optional[GatherPlan] = None
@@ -650,13 +727,13 @@ def _lora_delta(layer: nn.Module) -> Optional[torch.Tensor]:
 
 
 def _copy_group(items: list[_Copy], gather: "ShardGather | PendingGather | None" = None) -> None:
-    """Copy (cast) gathered source tensors into replica tensors in place; merge LoRA."""
-    direct = gather if isinstance(gather, ShardGather) else None
+    """Copy (cast) gathered source tensors into replica tensors in place; merge LoRA.
+    A ShardGather copies its whole plan at once (its items are the plan's)."""
+    if isinstance(gather, ShardGather):
+        gather.copy()
+        return
     with torch.no_grad():
         for item in items:
-            if direct is not None and direct.holds(item.src):
-                direct.copy_into(item.src, item.dst)
-                continue
             delta = _lora_delta(item.lora) if item.lora is not None else None
             if delta is None:
                 item.dst.copy_(item.src.data)
@@ -679,14 +756,16 @@ def _gather_copy(groups: list[GatherGroup], binding: ReplicaBinding, scheduler: 
     """
     def start(group: GatherGroup, prefetch: bool):
         """(lease, PendingGather) of the group's gather, or None when a prefetch does not fit."""
-        nbytes = sum(full_nbytes(p) for p in group.tensors() if _needs_gather(p))
+        params, items = group.tensors(), binding.copies[group.name]
+        plan = _direct_plan(params, items, binding.plans, group.name)
+        nbytes = _fill_nbytes(params, plan)
         lease = None
         if nbytes:
             lease = scheduler.try_lease(nbytes, owner) if prefetch else scheduler.lease(nbytes, owner)
             if lease is None:
                 return None
         try:
-            return lease, _fill_gather(group.tensors(), binding.copies[group.name])
+            return lease, _fill_gather(params, plan)
         except BaseException:
             if lease is not None:
                 lease.release()
@@ -728,10 +807,7 @@ def _gather_copy(groups: list[GatherGroup], binding: ReplicaBinding, scheduler: 
 
 
 def _needs_gather(p: torch.Tensor) -> bool:
-    if not is_zero3_param(p):
-        return False
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    return p.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    return is_zero3_param(p) and p.ds_status == _zero_status().NOT_AVAILABLE
 
 
 def _binding_for(src_module: nn.Module, replica: nn.Module) -> ReplicaBinding:
@@ -843,6 +919,7 @@ class LayeredReplica:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.binding.plans.clear()          # their views would keep the slot's storage alive
         release_replica(self.model)
 
     # -- internals
@@ -857,7 +934,9 @@ class LayeredReplica:
 
     def _start(self, chunk: int, *, prefetch: bool) -> Optional[tuple]:
         params = self._chunk_params(chunk)
-        nbytes = sum(full_nbytes(p) for p in params if _needs_gather(p))
+        items = [item for g in self.chunks[chunk] for item in self.binding.copies[g.name]]
+        plan = _direct_plan(params, items, self.binding.plans, f"chunk.{chunk}")
+        nbytes = _fill_nbytes(params, plan)
         lease = None
         if nbytes:
             if prefetch:
@@ -866,8 +945,7 @@ class LayeredReplica:
                     return None         # over budget: no prefetch, load synchronously later
             else:
                 lease = self.scheduler.lease(nbytes, self.owner)
-        items = [item for g in self.chunks[chunk] for item in self.binding.copies[g.name]]
-        return chunk, _fill_gather(params, items), lease, time.perf_counter()
+        return chunk, _fill_gather(params, plan), lease, time.perf_counter()
 
     def _load(self, chunk: int) -> None:
         pending = self._pending
@@ -882,8 +960,11 @@ class LayeredReplica:
         try:
             gather.wait()
             t1 = time.perf_counter()
-            for group in self.chunks[chunk]:
-                _copy_group(self.binding.copies[group.name], gather)
+            if isinstance(gather, ShardGather):
+                gather.copy()
+            else:
+                for group in self.chunks[chunk]:
+                    _copy_group(self.binding.copies[group.name], gather)
             t2 = time.perf_counter()
             gather.release()
             t3 = time.perf_counter()

@@ -43,8 +43,8 @@ def count_fill_gathers(counts: dict):
     from dschat.engine import gather as G
     real = G._fill_gather
 
-    def counting(params, items):
-        g = real(params, items)
+    def counting(*args):
+        g = real(*args)
         if g.params:
             counts["direct" if isinstance(g, G.ShardGather) else "deepspeed"] += 1
         return g
@@ -64,6 +64,40 @@ def direct_vs_deepspeed_fill(engine) -> bool:
     G.DIRECT_FILL = True
     a, b = reps[True].state_dict(), reps[False].state_dict()
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def padded_shards_fill() -> dict:
+    """Bloom with hidden size 63: its norms and biases do not split evenly over 2 ranks, so
+    the last rank's shards are padded. The straight fill (full and layered, with persistent
+    params copied as they are) must equal DeepSpeed's fetch bit for bit."""
+    import transformers as T
+    from dschat.engine import gather as G
+    torch.manual_seed(hc.SEED)
+    cfg = T.BloomConfig(vocab_size=hc.VOCAB + 1, hidden_size=63, n_layer=3, n_head=7,
+                        bos_token_id=hc.BOS, eos_token_id=hc.EOS, pad_token_id=hc.PAD)
+    engine = hc.make_engine(T.BloomForCausalLM(cfg), stage=3, persistence=100)
+    world = torch.distributed.get_world_size()
+    params = list(engine.module.parameters())
+    res = {"padded": sum(p.ds_numel % world != 0 for p in params if hasattr(p, "ds_numel")),
+           "persistent": sum(bool(getattr(p, "ds_persist", False)) for p in params)}
+    reps = {}
+    for direct in (True, False):
+        G.DIRECT_FILL = direct
+        reps[direct] = G.build_replica(engine.module)
+        for _ in range(2):               # the second fill reuses the cached plans
+            G.fill_replica(engine.module, reps[direct], scheduler=G.GatherScheduler())
+        lay = G.LayeredReplica(engine.module, group_size=2, scheduler=G.GatherScheduler())
+        lay.fill()
+        with lay.session(), torch.no_grad():     # loads every chunk through the hooks
+            reps[(direct, "layered")] = lay.model(torch.arange(3, 11)[None]).logits
+        lay.close()
+    G.DIRECT_FILL = True
+    a, b = reps[True].state_dict(), reps[False].state_dict()
+    res["full_equal"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    res["layered_equal"] = bool(torch.equal(reps[(True, "layered")], reps[(False, "layered")]))
+    with G.gathered(engine.module):
+        res["full_equals_source"] = all(torch.equal(p, a[n]) for n, p in engine.module.named_parameters())
+    return res
 
 
 def run_case(family: str, lora: bool, rank: int) -> dict:
@@ -182,6 +216,7 @@ def main():
                 results["cases"].append({"family": family, "lora": lora, "error": traceback.format_exc()})
                 hc.write_results(results, rank)
                 raise
+    results["padded_shards"] = padded_shards_fill()
     hc.write_results(results, rank)
 
 
