@@ -214,6 +214,17 @@ def test_zero3_families_lora_full_layered_hooks(tmp_path):
         assert padded["full_equal"] and padded["layered_equal"] and padded["full_equals_source"], padded
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_refill_on_cuda():
+    """World size 1 on a GPU (NCCL): after each of two optimizer steps the refilled replica
+    (fp32, and bf16 by the cast; full and layered) equals the gathered params, straight from
+    the shards (no all-gather at world size 1) and through DeepSpeed's fetch."""
+    proc = run_deepspeed(REPO / "tests" / "dist" / "refill_cuda.py", num_gpus=1, timeout=300, check=False)
+    report = [line for line in proc.stdout.splitlines() if "REFILL_CUDA" in line]
+    assert proc.returncode == 0 and report, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
 def test_zero_stages_offload_gathered_budget(tmp_path):
     """ZeRO 0/2 (alias, LoRA copy), ZeRO-3 param offload, bf16 replica, sampling,
     --release_inference_cache, gathered() on a frozen engine, a byte budget."""
