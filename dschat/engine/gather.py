@@ -409,9 +409,10 @@ class DirectPlan:
         self.params = [p for p in params if is_zero3_param(p) and p.ds_status == NA]
         self.nbytes = sum(full_nbytes(p) for p in self.params)
         self.world, self.rank, self.group, self.part = 1, 0, None, 0
+        self.whole_shards = self.local = False
         self.split: list[list[int]] = []           # per rank: [valid_0, pad_0, valid_1, ...]
         self.dst: list[torch.Tensor] = []          # replica pieces, one per (param, rank)
-        self.src_index: list[tuple[int, int]] = [] # (rank, index into that rank's split)
+        self.src_index: list[tuple[int, int]] = [] # per dst piece: (rank, param index)
         self.plain_dst: list[torch.Tensor] = []
         self.plain_src: list[torch.Tensor] = []
         self.usable = all(item.lora is None for item in items) and self._direct_shards()
@@ -425,6 +426,9 @@ class DirectPlan:
         self.part = sum(shard)
         self.whole_shards = all(p.ds_tensor.dim() == 1 and p.ds_tensor.numel() == n
                                 for p, n in zip(self.params, shard))
+        # one rank and no padding: each shard is its whole param, copied from directly
+        self.local = self.world == 1 and self.whole_shards and all(
+            n == p.ds_numel for p, n in zip(self.params, shard))
         valid = [[max(0, min(n, p.ds_numel - r * n)) for p, n in zip(self.params, shard)]
                  for r in range(self.world)]
         self.split = [[s for v, n in zip(row, shard) for s in (v, n - v)] for row in valid]
@@ -443,7 +447,7 @@ class DirectPlan:
             else:
                 sizes = [valid[r][i] for r in range(self.world)]
                 self.dst.extend(item.dst.view(-1).split([s for s in sizes if s]))
-                self.src_index.extend((r, 2 * i) for r in range(self.world) if sizes[r])
+                self.src_index.extend((r, i) for r in range(self.world) if sizes[r])
 
     def _direct_shards(self) -> bool:
         """One process group and shard dtype, shards on the accelerator (not offloaded to
@@ -474,7 +478,7 @@ class ShardGather:
         self.plan, self.params, self.nbytes = plan, plan.params, plan.nbytes
         self.handle = self.flat = None
         self.shards = [p.ds_tensor for p in plan.params]
-        if not self.shards or (plan.world == 1 and plan.whole_shards):
+        if not self.shards or plan.local:
             return
         from deepspeed import comm as dist
         shard = self.shards[0]
@@ -494,11 +498,11 @@ class ShardGather:
         self.wait()
         plan = self.plan
         if self.flat is None:
-            src = [self.shards[k // 2] for _, k in plan.src_index]
-        else:
+            src = [self.shards[i] for _, i in plan.src_index]
+        else:                   # rank r's slice: [valid_0, pad_0, valid_1, pad_1, ...]
             rows = self.flat.view(plan.world, plan.part)
             pieces = [rows[r].split(plan.split[r]) for r in range(plan.world)]
-            src = [pieces[r][k] for r, k in plan.src_index]
+            src = [pieces[r][2 * i] for r, i in plan.src_index]
         with torch.no_grad():
             torch._foreach_copy_(plan.dst + plan.plain_dst, src + plan.plain_src)
 
