@@ -17,7 +17,7 @@ nvidia-smi -L
 if [ "$what" = gen ]; then
   python3 benchmarks/generation.py --models bloom-560m --batch 16 --layered --out "$out/gen" 2>&1 | grep -v -i warn
   python3 benchmarks/generation.py --models bloom-560m --batch 1 64 --modes hf unwrap generic fast --out "$out/gen" 2>&1 | grep -v -i warn
-  python3 benchmarks/generation.py --models bloom-7b1 --batch 16 --out "$out/gen" 2>&1 | grep -v -i warn
+  python3 benchmarks/generation.py --models bloom-7b1 --batch 1 16 64 --repeats 3 --hf_busy --out "$out/gen" 2>&1 | grep -v -i warn
   python3 benchmarks/generation.py --models bloom-1b7 opt-1.3b llama-7b --batch 16 --modes hf unwrap generic fast --out "$out/gen" 2>&1 | grep -v -i warn
 elif [ "$what" = decode ]; then
   python3 benchmarks/attn_bench.py --out "$out" 2>&1 | grep -v -i warn

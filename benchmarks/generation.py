@@ -4,11 +4,13 @@
 
     python benchmarks/generation.py --models bloom-560m bloom-7b1 --batch 16 --prompt_len 256 --new_tokens 256
 
-Random-init models at real shapes (by preset name) or a real model folder (--model PATH).
+Random-init models at real shapes (by preset name) or a real model folder (a path in --models).
 Every mode generates the same forced number of tokens (min_new_tokens = max_new_tokens)
 for the same left-padded prompts on the same weights. The table gives tokens/s, ms per
 generated token (prefill included), peak GiB, gather seconds, the ratio to plain HF, and
 the bandwidth floor: weight bytes over the device-to-device copy bandwidth measured here.
+`--repeats N` times each mode N times and reports the median; `--hf_busy` profiles one plain
+HF generate and reports how much of its step is GPU kernels (the rest is host time).
 Single process (ZeRO-3 world size 1, as the anchors in shared/docs/ANCHORS.md); run under
 `deepspeed --num_gpus N` for data parallel N (each rank its own prompts; per-GPU numbers).
 """
@@ -59,6 +61,12 @@ def parse_args(argv=None):
     p.add_argument("--dsfetch", action="store_true",
                    help="Also run ours with the replica filled through DeepSpeed's own fetch "
                         "(gather.DIRECT_FILL off) instead of straight from the ZeRO-3 shards.")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="Timed runs per mode (ours: each after a refill); the table gives the median "
+                        "and the JSON rows every run's seconds.")
+    p.add_argument("--hf_busy", action="store_true",
+                   help="Also profile one plain HF generate (CUDA only) and report the GPU time of its "
+                        "kernels per step: how much of HF's step the GPU is busy, the rest being host time.")
     p.add_argument("--out", default=None, help="Append the table (markdown) and JSON rows to this file stem.")
     p.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
     return p.parse_args(argv)
@@ -123,8 +131,38 @@ def timed(fn, device):
     return out, secs, peak
 
 
+def timed_runs(fn, device, repeats, before=None):
+    """`repeats` timed calls of fn (each after before(), untimed); returns the last output,
+    every run's seconds, the median run's seconds and the highest peak GiB."""
+    runs, peaks, out = [], [], None
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        out, secs, peak = timed(fn, device)
+        runs.append(secs)
+        peaks.append(peak)
+    return out, runs, sorted(runs)[(len(runs) - 1) // 2], max(peaks)
+
+
+def gpu_kernel_seconds(fn, device, top=6):
+    """Seconds of GPU kernels and copies that one call of fn runs (torch.profiler, CUDA only),
+    and the `top` names that take most of them, as (name, seconds)."""
+    from torch.profiler import ProfilerActivity, profile
+    if device.type != "cuda":
+        return float("nan"), []
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ops = [(e.key, e.self_device_time_total / 1e6) for e in prof.key_averages() if e.self_device_time_total > 0]
+    ops.sort(key=lambda kv: -kv[1])
+    return sum(t for _, t in ops), ops[:top]
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1 (got {args.repeats})")
     import deepspeed
     from dschat.engine.config import eval_ds_config
     from dschat.engine.distributed import init_distributed, rank, world_size
@@ -143,52 +181,56 @@ def main(argv=None):
         layers = model.config.num_hidden_layers
         gen_kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                           pad_token_id=0, eos_token_id=1)
-        engine = actor = None
+        prompts = {batch: make_prompts(batch, args.prompt_len, vocab, device, rank()) for batch in args.batch}
+        ref_tokens = {}   # batch -> the first mode's tokens (plain HF's when it runs)
+
+        def record(batch, mode, out, runs, secs, peak, gather_s=0.0, extra=None):
+            new = out[:, args.prompt_len:]
+            ref = ref_tokens.setdefault(batch, new)
+            same = float("nan") if ref is new else (new == ref).all(dim=1).float().mean().item()
+            rows.append(dict(model=name, batch=batch, mode=mode, tokens_per_s=new.numel() / secs,
+                             ms_per_step=secs / args.new_tokens * 1e3, peak_gib=peak, gather_s=gather_s,
+                             floor_ms=floor_ms, same_rows_as_hf=same, world=world_size(),
+                             run_seconds=[round(r, 4) for r in runs], **(extra or {})))
+            if rank() == 0:
+                print(json.dumps(rows[-1]), flush=True)
+                if args.out:  # row by row, so a run cut short still leaves its rows
+                    with open(args.out + ".jsonl", "a") as f:
+                        f.write(json.dumps(rows[-1]) + "\n")
+
+        # plain HF first, at every batch: ZeRO-3 then takes the model over (partitions it in place)
+        for batch in args.batch if "hf" in args.modes else []:
+            ids, mask = prompts[batch]
+            with torch.no_grad():
+                # warm up at the measured shapes (kernel choices, allocator): with a 2-token
+                # warm-up the opt/llama rows ran 3-5x slower than DeepSpeed's unwrap of the
+                # same weights (RESULTS.md), which looked like first-call costs
+                model.generate(ids, attention_mask=mask, **dict(gen_kwargs, max_new_tokens=16, min_new_tokens=16))
+                hf_generate = lambda: model.generate(ids, attention_mask=mask, **gen_kwargs)  # noqa: E731
+                out, runs, secs, peak = timed_runs(hf_generate, device, args.repeats)
+                extra = None
+                if args.hf_busy and device.type == "cuda":
+                    gpu_s, top = gpu_kernel_seconds(hf_generate, device)
+                    extra = dict(gpu_ms_per_step=gpu_s / args.new_tokens * 1e3, gpu_busy_share=gpu_s / secs,
+                                 gpu_top_ms_per_step={k[:80]: t / args.new_tokens * 1e3 for k, t in top})
+            record(batch, "hf", out, runs, secs, peak, extra=extra)
+        engine, *_ = deepspeed.initialize(model=model, config=eval_ds_config(zero_stage=3, dtype=args.dtype))
+        engine.eval()
         for batch in args.batch:
-            ids, mask = make_prompts(batch, args.prompt_len, vocab, device, rank())
-            ref_tokens = None
-
-            def record(mode, out, secs, peak, gather_s=0.0, extra=None):
-                nonlocal ref_tokens
-                new = out[:, ids.shape[1]:]
-                same = float("nan") if ref_tokens is None else (new == ref_tokens).all(dim=1).float().mean().item()
-                if ref_tokens is None:
-                    ref_tokens = new
-                tokens = new.numel()
-                rows.append(dict(model=name, batch=batch, mode=mode, tokens_per_s=tokens / secs * 1.0,
-                                 ms_per_step=secs / args.new_tokens * 1e3, peak_gib=peak, gather_s=gather_s,
-                                 floor_ms=floor_ms, same_rows_as_hf=same, world=world_size(), **(extra or {})))
-                if rank() == 0:
-                    print(json.dumps(rows[-1]), flush=True)
-                    if args.out:  # row by row, so a run cut short still leaves its rows
-                        with open(args.out + ".jsonl", "a") as f:
-                            f.write(json.dumps(rows[-1]) + "\n")
-
-            if "hf" in args.modes and engine is None:
-                with torch.no_grad():
-                    # warm up at the measured shapes (kernel choices, allocator): with a 2-token
-                    # warm-up the opt/llama rows ran 3-5x slower than DeepSpeed's unwrap of the
-                    # same weights (RESULTS.md), which looked like first-call costs
-                    model.generate(ids, attention_mask=mask, **dict(gen_kwargs, max_new_tokens=16,
-                                                                    min_new_tokens=16))
-                    out, secs, peak = timed(lambda: model.generate(ids, attention_mask=mask, **gen_kwargs), device)
-                record("hf", out, secs, peak)
-            if engine is None:  # ZeRO-3 takes the model over (partitions it in place)
-                engine, *_ = deepspeed.initialize(model=model, config=eval_ds_config(zero_stage=3, dtype=args.dtype))
-                engine.eval()
+            ids, mask = prompts[batch]
             if "hooks" in args.modes and (args.hooks_max_layers is None or layers <= args.hooks_max_layers):
                 with torch.no_grad():
-                    out, secs, peak = timed(lambda: engine.module.generate(
-                        ids, attention_mask=mask, synced_gpus=world_size() > 1, **gen_kwargs), device)
-                record("zero3 hooks", out, secs, peak)
+                    out, runs, secs, peak = timed_runs(lambda: engine.module.generate(
+                        ids, attention_mask=mask, synced_gpus=world_size() > 1, **gen_kwargs), device, args.repeats)
+                record(batch, "zero3 hooks", out, runs, secs, peak)
             if "unwrap" in args.modes:
                 from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
                 def unwrap_generate():
                     with unwrap_model_for_generation(engine) as unwrapped, torch.no_grad():
                         return unwrapped.generate(ids, attention_mask=mask, **gen_kwargs)
-                out, secs, peak = timed(unwrap_generate, device)
-                record("zero3 DeepSpeed unwrap", out, secs, peak)
+                out, runs, secs, peak = timed_runs(unwrap_generate, device, args.repeats)
+                record(batch, "zero3 DeepSpeed unwrap", out, runs, secs, peak)
             variants = [m for m in ("generic", "fast") if m in args.modes]
             fills = [(m, lay, direct) for m in variants
                      for lay in ([False, True] if args.layered and m == "generic" else [False])
@@ -203,16 +245,22 @@ def main(argv=None):
                                                              min_new_tokens=args.new_tokens, eos_token_id=1,
                                                              pad_token_id=0), device)
                 actor.pop_stats()
-                actor.mark_weights_updated()  # as after an optimizer step: refill in place
-                if world_size() > 1:          # ranks level, as after a step's gradient all-reduce, so
-                    torch.distributed.barrier()   # the fill's all-gathers do not time a rank's lag
-                out, secs, peak = timed(lambda: actor.generate(ids, mask, max_new_tokens=args.new_tokens,
-                                                               min_new_tokens=args.new_tokens, eos_token_id=1,
-                                                               pad_token_id=0), device)
-                stats = actor.pop_stats()
-                gather_s = stats.get("gen/fill_seconds", 0.0)
+
+                def refill_next():
+                    actor.mark_weights_updated()  # as after an optimizer step: refill in place
+                    if world_size() > 1:          # ranks level, as after a step's gradient all-reduce, so
+                        torch.distributed.barrier()   # the fill's all-gathers do not time a rank's lag
+                fills_s = []
+
+                def generate_and_note_fill():
+                    result = actor.generate(ids, mask, max_new_tokens=args.new_tokens,
+                                            min_new_tokens=args.new_tokens, eos_token_id=1, pad_token_id=0)
+                    fills_s.append(actor.pop_stats().get("gen/fill_seconds", 0.0))
+                    return result
+                out, runs, secs, peak = timed_runs(generate_and_note_fill, device, args.repeats, before=refill_next)
+                gather_s = sorted(fills_s)[(len(fills_s) - 1) // 2]
                 label = f"ours {mode}" + (" layered" if layered else "") + ("" if direct else " (DeepSpeed fetch)")
-                record(label, out, secs, peak, gather_s,
+                record(batch, label, out, runs, secs, peak, gather_s,
                        extra=dict(first_call_s=first_s, refill_share=gather_s / secs if secs else 0.0))
                 actor.release_inference_cache()
                 del actor
@@ -228,15 +276,27 @@ def main(argv=None):
 
 
 def table_markdown(rows, bw) -> str:
-    lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s; ms/step = wall seconds / new tokens (prefill included)", "",
-             "| model | batch | mode | tokens/s | ms/step | x HF | floor ms | peak GiB | gather s | same rows as HF |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    repeats = max(len(r["run_seconds"]) for r in rows)
+    lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s; ms/step = wall seconds / new tokens (prefill included)"
+             + (f"; median of {repeats} runs, spread = (slowest - fastest) / median" if repeats > 1 else ""), "",
+             "| model | batch | mode | tokens/s | ms/step | x HF | floor ms | peak GiB | gather s | same rows as HF |"
+             + (" spread |" if repeats > 1 else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if repeats > 1 else "")]
     hf = {(r["model"], r["batch"]): r["tokens_per_s"] for r in rows if r["mode"] == "hf"}
-    for r in rows:
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for r in sorted(rows, key=lambda r: (models.index(r["model"]), r["batch"])):   # stable: mode order kept
         ratio = r["tokens_per_s"] / hf[(r["model"], r["batch"])] if (r["model"], r["batch"]) in hf else float("nan")
+        runs = r["run_seconds"]
+        spread = f" {(max(runs) - min(runs)) / (sorted(runs)[(len(runs) - 1) // 2] or 1):.1%} |" if repeats > 1 else ""
         lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.2f} | "
                      f"{ratio:.2f} | {r['floor_ms']:.2f} | {r['peak_gib']:.1f} | {r['gather_s']:.3f} | "
-                     f"{r['same_rows_as_hf']:.2f} |")
+                     f"{r['same_rows_as_hf']:.2f} |" + spread)
+    busy = [r for r in rows if "gpu_busy_share" in r]
+    if busy:
+        lines.append("")
+        lines += [f"plain HF, {r['model']} batch {r['batch']}: its kernels take {r['gpu_ms_per_step']:.2f} ms of its "
+                  f"{r['ms_per_step']:.2f} ms step (GPU busy {r['gpu_busy_share']:.0%}; the rest is host time)"
+                  for r in busy]
     return "\n".join(lines) + "\n\n"
 
 
