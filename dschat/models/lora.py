@@ -48,6 +48,17 @@ def apply_lora(model: nn.Module, lora_dim: int, lora_module_name: str | None = N
     return peft_model
 
 
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Module path -> peft LoRA layer (the modules holding `lora_A`/`lora_B` and `scaling`)."""
+    return {path: m for path, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "scaling")}
+
+
+def lora_delta(layer: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 `scale * B @ A` in the layout of `layer`'s base weight (GPT-2's Conv1D stores W^T)."""
+    delta = (b.float() @ a.float()) * scale
+    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
+
 def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Base-model state dict with every LoRA delta folded into its base weight.
 
@@ -57,15 +68,11 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     if not is_peft_model(model):
         return state
     out, deltas = {}, {}
-    for lora_module_path, module in model.named_modules():
-        if hasattr(module, "lora_A") and hasattr(module, "scaling"):
-            for adapter, scale in module.scaling.items():
-                a = state[f"{lora_module_path}.lora_A.{adapter}.weight"].float()
-                b = state[f"{lora_module_path}.lora_B.{adapter}.weight"].float()
-                delta = (b @ a) * scale
-                if getattr(module, "fan_in_fan_out", False):  # GPT-2's Conv1D stores W^T
-                    delta = delta.T
-                deltas[f"{lora_module_path}.base_layer.weight"] = delta
+    for lora_module_path, module in lora_layers(model).items():
+        for adapter, scale in module.scaling.items():
+            a = state[f"{lora_module_path}.lora_A.{adapter}.weight"]
+            b = state[f"{lora_module_path}.lora_B.{adapter}.weight"]
+            deltas[f"{lora_module_path}.base_layer.weight"] = lora_delta(module, a, b, scale)
     for name, tensor in state.items():
         if ".lora_A." in name or ".lora_B." in name:
             continue

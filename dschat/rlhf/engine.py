@@ -33,13 +33,39 @@ class RLHFEngines:
     critic_ds_config: dict
 
 
+def ptx_enabled(args) -> bool:
+    return bool(getattr(args, "unsupervised_dataset_name", None))
+
+
+def actor_accumulation_steps(args) -> int:
+    """Micro-batches per actor optimizer step: twice --gradient_accumulation_steps with ptx
+    on (upstream's rule), so a PPO micro-batch and its ptx micro-batch are one step and the
+    actor's LR schedule advances once per PPO step, like the critic's."""
+    return args.gradient_accumulation_steps * (2 if ptx_enabled(args) else 1)
+
+
+def ppo_optimizer_steps(ppo_steps: int, *, generation_batches: int, generation_batch_size: int,
+                        training_batch_size: int, ppo_epochs: int, gradient_accumulation_steps: int) -> int:
+    """Optimizer steps that `ppo_steps` generation steps make (the LR schedule's length).
+
+    Each round of `generation_batches` generation batches is cut into micro-batches of
+    `training_batch_size` (the last may be smaller), trained `ppo_epochs` times; DeepSpeed
+    steps once every `gradient_accumulation_steps` micro-batches, counting across rounds.
+    A trailing partial round is never trained; batches skipped at run time shorten it.
+    """
+    micro_per_batch = -(-generation_batch_size // training_batch_size)
+    rounds = ppo_steps // generation_batches
+    micro = rounds * generation_batches * micro_per_batch * ppo_epochs
+    return max(micro // gradient_accumulation_steps, 1)
+
+
 def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) -> RLHFEngines:
     from dschat.engine.hybrid import HybridActor
 
     actor_cfg = train_ds_config(
         zero_stage=args.actor_zero_stage, dtype=args.dtype, offload=args.offload,
         micro_batch_size=args.per_device_training_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps)
+        gradient_accumulation_steps=actor_accumulation_steps(args))
     critic_cfg = train_ds_config(
         zero_stage=args.critic_zero_stage, dtype=args.dtype, offload=args.offload,
         micro_batch_size=args.per_device_training_batch_size,
@@ -63,11 +89,13 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
                              dtype=args.dtype, offload=args.offload_reference_model)
     ref = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
     ref_engine = initialize_engine(ref, ref_cfg, hooks)
+    ref_engine.eval()  # frozen models never run dropout
 
     ema_engine = None
     if args.enable_ema:
         ema = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
         ema_engine = initialize_engine(ema, ref_cfg, hooks)
+        ema_engine.eval()
 
     # critic: from the reward model, trained
     critic = load_reward_model(args.critic_model_name_or_path, tokenizer, dropout=args.critic_dropout,
@@ -87,6 +115,7 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
                                 dtype=args.dtype, offload=args.offload_reward_model)
     reward = load_reward_model(args.critic_model_name_or_path, tokenizer, flag="--critic_model_name_or_path")
     reward_engine = initialize_engine(reward, reward_cfg, hooks)
+    reward_engine.eval()
 
     hybrid = HybridActor(
         actor_engine, enable_hybrid_engine=args.enable_hybrid_engine,
@@ -105,28 +134,43 @@ def update_ema(ema_module, actor_module, beta: float = 0.992) -> None:
     """ZeRO-3-aware EMA update, one parameter pair at a time.
 
     Both tensors are gathered; every rank computes the same update and rank 0's result
-    is re-partitioned (`modifier_rank=0`), so the EMA shards stay consistent.
+    is re-partitioned (`modifier_rank=0`), so the EMA shards stay consistent. A LoRA
+    actor is averaged by its merged weights (base + LoRA delta), as upstream's EMA, which
+    averages base and LoRA weights and merges them when it saves.
     """
-    from dschat.registry import unwrap_peft
-    from dschat.models.lora import is_peft_model
+    from dschat.models.lora import lora_delta
 
-    actor_params = dict(unwrap_peft(actor_module).named_parameters()) if not is_peft_model(actor_module) \
-        else _merged_named_params(actor_module)
+    sources = _ema_sources(actor_module)
     for name, ema_param in ema_module.named_parameters():
-        src = actor_params.get(name)
-        if src is None:
+        if name not in sources:
             continue
-        with gathered([src]), gathered([ema_param], modifier_rank=0):
-            ema_update_([ema_param.data], [src.data], beta)
+        src, deltas = sources[name]
+        lora_params = [t for layer, a, b, scale in deltas for t in (a, b)]
+        with gathered([src, *lora_params]), gathered([ema_param], modifier_rank=0):
+            value = src.data
+            if deltas:
+                value = value.float() + sum(lora_delta(layer, a.data, b.data, scale)
+                                            for layer, a, b, scale in deltas)
+            ema_update_([ema_param.data], [value], beta)
 
 
-def _merged_named_params(peft_model) -> dict:
-    """Base-model parameter names of a peft model (LoRA deltas are not in the EMA)."""
-    from dschat.models.lora import PEFT_PREFIX
+def _ema_sources(actor_module) -> dict:
+    """EMA (plain model) parameter name -> (actor parameter, [(lora layer, A, B, scale)])."""
+    from dschat.models.lora import PEFT_PREFIX, is_peft_model, lora_layers
+
+    if not is_peft_model(actor_module):
+        return {name: (p, []) for name, p in actor_module.named_parameters()}
+    layers = lora_layers(actor_module)
     out = {}
-    for name, p in peft_model.named_parameters():
+    for name, p in actor_module.named_parameters():
         if "lora_" in name:
             continue
+        deltas = []
+        path = name[:-len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
+        if path in layers:
+            layer = layers[path]
+            deltas = [(layer, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, scale)
+                      for adapter, scale in layer.scaling.items()]
         clean = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
-        out[clean.replace(".base_layer.", ".")] = p
+        out[clean.replace(".base_layer.", ".")] = (p, deltas)
     return out

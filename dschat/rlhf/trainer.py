@@ -56,6 +56,7 @@ class PPOTrainer:
         # backward; False skips that backward and step (step 3 sets it to skip non-finite
         # losses identically on all ranks). None: always update.
         self.update_guard = None
+        self._actor_updated = True   # the last PPO micro-batch's actor update ran
 
     # ------------------------------------------------------------------ experience
     @torch.no_grad()
@@ -66,7 +67,7 @@ class PPOTrainer:
         drops answers of <= 1 token; under ZeRO-3 all ranks must take the same path).
         """
         timings = {}
-        self.e.actor.eval()
+        self.eval()
         start = time.time()
         with record_function("dschat/generate"):
             seq = self.e.hybrid.generate(
@@ -122,8 +123,7 @@ class PPOTrainer:
     def train_rlhf(self, exp: Experience) -> dict:
         """One actor and one critic update on a micro-batch of experience."""
         P = exp.prompt_width
-        self.e.actor.train()
-        self.e.critic.train()
+        self.train()
         # the same positions as generation and the experience pass (left-padded prompts)
         with record_function("dschat/train/actor_forward"):
             keep = exp.seq.shape[1] - P + 1
@@ -133,7 +133,7 @@ class PPOTrainer:
             logprobs = pm.gather_log_probs(_answer_logits(logits, exp.seq, P), pm.answer_tokens(exp.seq, P))
             a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
                                            self.cfg.cliprange)
-        self._update("actor", a_loss, self.e.actor)
+        self._actor_updated = self._update("actor", a_loss, self.e.actor)
 
         with record_function("dschat/train/critic_forward"):
             values = self.e.critic.module.forward_value(exp.seq, exp.attention_mask, return_value_only=True)
@@ -145,23 +145,51 @@ class PPOTrainer:
                 "actor_clip_frac": a_clip, "critic_clip_frac": c_clip}
 
     def train_unsupervised(self, batch: dict) -> torch.Tensor:
-        """ptx: the actor's LM loss on unsupervised text, weighted by --unsup_coef."""
+        """ptx: the actor's LM loss on unsupervised text, weighted by --unsup_coef.
+
+        With ptx on, the actor's engine accumulates twice as many micro-batches (see
+        `actor_accumulation_steps`), so a PPO micro-batch and its ptx micro-batch make one
+        optimizer step together, as upstream.
+        """
+        self.e.actor.train()
         logits = self.e.actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                               use_cache=False).logits
         tokens = (batch["labels"][:, 1:] != -100).sum().clamp(min=1)
         loss = lm_loss_sum(logits, batch["labels"]) / tokens
-        self._update("unsup", loss, self.e.actor, weight=self.cfg.unsup_coef)
+        # A skipped PPO update rewound the accumulation window: this ptx backward would
+        # start the next one and put the optimizer step between PPO and ptx from then on.
+        if self._actor_updated:
+            self._update("unsup", loss, self.e.actor, weight=self.cfg.unsup_coef)
         return loss.detach()
 
-    def _update(self, name: str, loss: torch.Tensor, engine, weight: float = 1.0) -> None:
+    def _update(self, name: str, loss: torch.Tensor, engine, weight: float = 1.0) -> bool:
         """Backward and optimizer step of `engine` on `loss` (times `weight`), unless the
-        update guard skips it (it sees the unweighted loss as f"{name}_loss")."""
+        update guard skips it (it sees the unweighted loss as f"{name}_loss"). `engine.step()`
+        only steps the optimizer (and LR schedule) at the end of an accumulation window.
+        Returns whether the update ran."""
         if self.update_guard is not None and not self.update_guard(f"{name}_loss", loss, engine):
-            return
+            return False
         with record_function(f"dschat/train/{name}_backward"):
             engine.backward(loss if weight == 1.0 else weight * loss)
         with record_function(f"dschat/train/{name}_step"):
             engine.step()
+        return True
+
+    # ------------------------------------------------------------------ modes
+    def eval(self) -> None:
+        """Every model in eval mode (no dropout) while experience is made and scored.
+
+        The critic too, as upstream (its `eval()` covers actor, critic, ref and reward):
+        the old values must be deterministic, like the old log-probs.
+        """
+        for engine in (self.e.actor, self.e.critic, self.e.ref, self.e.reward, self.e.ema):
+            if engine is not None:
+                engine.eval()
+
+    def train(self) -> None:
+        """Actor and critic in train mode for their updates; the frozen models stay in eval."""
+        self.e.actor.train()
+        self.e.critic.train()
 
     def after_actor_updates(self) -> None:
         """The actor's weights changed: the replica must be refilled; the EMA follows."""

@@ -66,14 +66,18 @@ def step1_argv(out, cache, *, steps: int = 8, extra=()) -> list[str]:
             "--data_split", "6,3,1", *map(str, extra)]
 
 
-def make_step3_models(folder: Path, config: str = "bloom") -> tuple[Path, Path]:
+def make_step3_models(folder: Path, config: str = "bloom", overrides: dict | None = None) -> tuple[Path, Path]:
     """A random tiny actor (HF folder) and critic (reward-model folder), as steps 1 and 2
-    would write them, built without training."""
+    would write them, built without training; `overrides` change the tiny config's keys."""
     import torch
 
     from dschat.models.model_utils import create_hf_model, load_tokenizer, save_hf_format
     from dschat.models.reward_model import create_reward_model, save_reward_model
     cfg = str(REPO / "configs" / "tiny" / f"{config}.json")
+    if overrides:
+        changed = {**json.loads(Path(cfg).read_text()), **overrides}
+        cfg = str(folder / f"{config}.json")
+        Path(cfg).write_text(json.dumps(changed))
     tokenizer = load_tokenizer(None)
     actor, critic = folder / "actor_in", folder / "critic_in"
     save_hf_format(create_hf_model(cfg, tokenizer, seed=1), tokenizer, actor)

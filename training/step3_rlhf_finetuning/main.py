@@ -30,7 +30,7 @@ from dschat.engine.distributed import all_reduce_mean, init_distributed, peak_me
 from dschat.engine.train_utils import abandon_accumulation, make_loader, to_device
 from dschat.models.model_utils import load_tokenizer, save_hf_format
 from dschat.models.reward_model import save_reward_model
-from dschat.rlhf.engine import build_rlhf_engines
+from dschat.rlhf.engine import build_rlhf_engines, ppo_optimizer_steps
 from dschat.rlhf.trainer import PPOConfig, PPOTrainer
 from dschat.utils import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
@@ -116,8 +116,11 @@ def parse_args(argv=None):
     flags.add_zero3_hooks_arg(g)
     g.add_argument("--actor_gradient_checkpointing", action="store_true", help="Actor activation checkpointing.")
     g.add_argument("--critic_gradient_checkpointing", action="store_true", help="Critic activation checkpointing.")
-    g.add_argument("--actor_dropout", type=float, default=None, help="Actor dropout override.")
-    g.add_argument("--critic_dropout", type=float, default=None, help="Critic dropout override.")
+    g.add_argument("--actor_dropout", type=float, default=0.0,
+                   help="Actor dropout (default 0.0, as upstream's step-3 scripts: with dropout the PPO "
+                        "ratio is not 1 at the first micro-step); set it to train with the model's own.")
+    g.add_argument("--critic_dropout", type=float, default=0.0,
+                   help="Critic dropout (default 0.0, as upstream's step-3 scripts).")
     g.add_argument("--dtype", type=str, default="fp16", choices=flags.DTYPE_CHOICES, help="Training precision.")
     g.add_argument("--compute_fp32_loss", action="store_true",
                    help="Kept for DS-Chat compatibility: PPO losses are always computed in fp32.")
@@ -179,16 +182,32 @@ def dump_generations(path, step, exp, tokenizer, this_rank):
     return rows
 
 
+def split_rows(batch: dict, micro_batch_size: int) -> list[dict]:
+    """A collated batch cut into consecutive micro-batches of rows (the last may be smaller)."""
+    rows = next(len(v) for v in batch.values() if torch.is_tensor(v))
+    return [{k: v[i:i + micro_batch_size] if torch.is_tensor(v) else v for k, v in batch.items()}
+            for i in range(0, rows, micro_batch_size)]
+
+
 def ppo_round(trainer, buffer, unsup_buffer, args) -> dict:
     """--ppo_epochs passes of actor/critic (+ ptx) updates over the buffered experience;
-    the mean of each statistic over the round and the ranks."""
+    the mean of each statistic over the round and the ranks.
+
+    A ptx batch has as many rows as a generation batch and is cut like it (upstream's
+    MiniDataset): each PPO micro-batch trains with its own ptx micro-batch, so every ptx
+    row is trained once per PPO epoch."""
     stats = []
     for _ in range(args.ppo_epochs):
         for exp_i, unsup in zip(buffer, unsup_buffer or [None] * len(buffer)):
-            for micro in exp_i.split(args.per_device_training_batch_size):
+            micros = exp_i.split(args.per_device_training_batch_size)
+            unsup_micros = split_rows(unsup, args.per_device_training_batch_size) if unsup is not None \
+                else [None] * len(micros)
+            if len(unsup_micros) != len(micros):
+                raise RuntimeError(f"{len(unsup_micros)} ptx micro-batches for {len(micros)} PPO micro-batches")
+            for micro, unsup_micro in zip(micros, unsup_micros):
                 s = trainer.train_rlhf(micro)
-                if unsup is not None:
-                    s["unsup_loss"] = trainer.train_unsupervised(unsup)
+                if unsup_micro is not None:
+                    s["unsup_loss"] = trainer.train_unsupervised(unsup_micro)
                 trainer.after_actor_updates()
                 stats.append(s)
     return {f"ppo/{key}": all_reduce_mean(torch.stack([s[key] for s in stats]).mean()).item() for key in stats[0]}
@@ -213,9 +232,15 @@ def main(argv=None):
         unsup_data = create_unsupervised_dataset([args.unsupervised_dataset_name], args.unsupervised_dataset_config_name,
                                                  tokenizer, args.max_prompt_seq_len + args.max_answer_seq_len,
                                                  args.data_output_path, args.seed, args.local_rank)
-        unsup_loader = make_loader(unsup_data, args.per_device_generation_batch_size, shuffle=True, seed=args.seed)
+        # whole batches only: each is cut into as many micro-batches as a generation batch
+        unsup_loader = make_loader(unsup_data, args.per_device_generation_batch_size, shuffle=True, seed=args.seed,
+                                   drop_last=True)
     if len(prompt_loader) == 0:
         raise_problems([f"{len(prompt_data)} prompts fit --max_prompt_seq_len, fewer than one batch of "
+                        f"--per_device_generation_batch_size {args.per_device_generation_batch_size} "
+                        f"on each of {world} ranks"])
+    if unsup_loader is not None and len(unsup_loader) == 0:
+        raise_problems([f"{len(unsup_data)} rows of --unsupervised_dataset_name, fewer than one batch of "
                         f"--per_device_generation_batch_size {args.per_device_generation_batch_size} "
                         f"on each of {world} ranks"])
     steps_per_epoch = len(prompt_loader)
@@ -223,8 +248,15 @@ def main(argv=None):
     for cap in (args.max_steps, args.test_stop_step if args.enable_test_mode else 0):
         if cap:
             total_steps = min(total_steps, cap)
-    num_total_iters = total_steps * args.ppo_epochs * (args.per_device_generation_batch_size
-                                                       // args.per_device_training_batch_size)
+    # the LR schedules' length: the optimizer steps this run takes (the actor's accumulation
+    # is doubled with ptx, so it steps as often as the critic)
+    num_total_iters = ppo_optimizer_steps(
+        total_steps, generation_batches=args.generation_batches,
+        generation_batch_size=args.per_device_generation_batch_size,
+        training_batch_size=args.per_device_training_batch_size, ppo_epochs=args.ppo_epochs,
+        gradient_accumulation_steps=args.gradient_accumulation_steps)
+    print_rank_0(f"LR schedules over {num_total_iters} optimizer steps; actor dropout {args.actor_dropout}, "
+                 f"critic dropout {args.critic_dropout}")
 
     engines = build_rlhf_engines(args, tokenizer, num_total_iters)
     trainer = PPOTrainer(engines, tokenizer, ppo_config(args))
@@ -266,6 +298,7 @@ def main(argv=None):
                             rank(), device)
     buffer, unsup_buffer = [], []
     progress = tqdm(total=total_steps, initial=step, desc="step 3 (PPO)", disable=rank() != 0)
+    epoch = start_epoch
     for epoch in range(start_epoch, args.num_train_epochs):
         if step >= total_steps:
             break
@@ -329,10 +362,13 @@ def main(argv=None):
             guard.check_halt(step, save)  # (a halt with experience buffered drops that experience)
     progress.close()
 
-    save_hf_format(engines.actor.module, tokenizer, os.path.join(args.output_dir, "actor"), rank=rank())
-    save_reward_model(engines.critic.module, tokenizer, os.path.join(args.output_dir, "critic"), rank=rank())
-    if engines.ema is not None:
-        save_hf_format(engines.ema.module, tokenizer, os.path.join(args.output_dir, "actor_ema"), rank=rank())
+    def write_models():
+        save_hf_format(engines.actor, tokenizer, os.path.join(args.output_dir, "actor"), rank=rank())
+        save_reward_model(engines.critic, tokenizer, os.path.join(args.output_dir, "critic"), rank=rank())
+        if engines.ema is not None:
+            save_hf_format(engines.ema, tokenizer, os.path.join(args.output_dir, "actor_ema"), rank=rank())
+
+    ckpt.save_final(write_models, save, args.output_dir)
     if rank() == 0:
         save_json(run_config, os.path.join(args.output_dir, "training_config.json"))
     metrics.close()
