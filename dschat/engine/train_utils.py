@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from dschat.engine.distributed import all_reduce_sum, peak_memory_gib, rank, world_size
+from dschat.engine.zero import release_prefetched
 from dschat.utils.logging import print_rank_0
 
 
@@ -105,6 +106,7 @@ def evaluate_lm(engine, loader: DataLoader, device, max_batches: int) -> dict:
         total[0] += lm_loss_sum(logits, batch["labels"])
         total[1] += (batch["labels"][:, 1:] != -100).sum()
     total = all_reduce_sum(total)
+    release_prefetched(engine)  # nothing left in flight for a save or the next gather
     engine.train()
     loss = (total[0] / total[1].clamp(min=1)).item()
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}

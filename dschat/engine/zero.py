@@ -19,13 +19,65 @@ def gathered(params: Iterable[torch.Tensor], modifier_rank=None, enabled: bool =
                                              enabled=enabled and bool(params))
 
 
-def full_state_dict(module: nn.Module, *, rank0_only: bool = True, rank: int = 0) -> dict:
-    """A CPU fp32-or-native state dict of `module`, gathered parameter by parameter.
+def engine_and_module(model) -> tuple[object | None, nn.Module]:
+    """(DeepSpeed engine or None, the module) of a DeepSpeed engine or a plain module."""
+    from deepspeed import DeepSpeedEngine
+    if isinstance(model, DeepSpeedEngine):
+        return model, model.module
+    return None, model
+
+
+def release_prefetched(engine) -> None:
+    """Complete every ZeRO-3 all-gather still in flight and re-partition what it fetched.
+
+    A forward without a backward (evaluation, experience scoring) of a trained ZeRO-3
+    engine follows the trace its training steps recorded - forward, then backward - so at
+    the LM head DeepSpeed prefetches the first blocks of a backward that never comes.
+    Those parameters stay INFLIGHT until the next forward starts; anything that gathers
+    parameters in between (a save, the EMA) fails on them with DeepSpeed's "Cannot
+    partition a param in flight". Tiny models hide it: all their parameters stay gathered
+    between forward and backward (ZeRO's reuse distance), so nothing is prefetched.
+
+    Uses DeepSpeed's own `partition_all_parameters` (what `empty_partition_cache` runs),
+    then gathers the persistent parameters again: ZeRO keeps those resident, and code
+    reading them (the replica fill) relies on it. A no-op below ZeRO-3.
+    """
+    if engine is None:
+        return
+    optimizer = getattr(engine, "optimizer", None)
+    # trained engine: the ZeRO-3 optimizer holds the offload; frozen one: it is the "optimizer"
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    if not hasattr(offload, "partition_all_parameters"):
+        return
+    offload.partition_all_parameters()
+    persistent = [p for p in engine.module.parameters() if getattr(p, "ds_persist", False)]
+    if persistent:
+        persistent[0].all_gather(param_list=persistent)
+
+
+def in_flight(module: nn.Module) -> list[str]:
+    """Names of ZeRO-3 parameters of `module` with an all-gather in flight."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return [n for n, p in module.named_parameters()
+            if is_zero3_param(p) and p.ds_status == ZeroParamStatus.INFLIGHT]
+
+
+def full_state_dict(model, *, rank0_only: bool = True, rank: int = 0) -> dict:
+    """A CPU fp32-or-native state dict of `model` (a DeepSpeed engine or a module),
+    gathered parameter by parameter.
 
     Parameters shared between modules (a tied LM head) appear once, under the first
     name `named_parameters` gives them; buffers that are persistent are included.
-    Gathering one parameter at a time keeps the peak at one full tensor per rank.
+    Gathering one parameter at a time keeps the peak at one full tensor per rank. Given
+    an engine, prefetches left in flight by its last forward are settled first (see
+    `release_prefetched`); a bare module with parameters in flight is an error naming them.
     """
+    engine, module = engine_and_module(model)
+    release_prefetched(engine)
+    busy = in_flight(module)
+    if busy:
+        raise RuntimeError(f"{len(busy)} ZeRO-3 parameters are in flight (e.g. {busy[:3]}): "
+                           "pass the DeepSpeed engine, not its module, so they are settled first")
     state = {}
     for name, param in module.named_parameters():
         with gathered([param]):

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from dschat.data.assets import bundled_tokenizer_path
 from dschat.registry import family_of, get_family, unwrap_peft
+from dschat.utils.checkpoint import fault_point
 from dschat.utils.errors import UserInputError
 from dschat.utils.logging import get_logger
 
@@ -170,18 +171,23 @@ def _check_loaded_keys(info: dict, path: str, config) -> None:
         "A checkpoint of another model family?")
 
 
-def save_hf_format(module: nn.Module, tokenizer, output_dir: str | Path, *, rank: int = 0,
+def save_hf_format(model, tokenizer, output_dir: str | Path, *, rank: int = 0,
                    extra_files: dict[str, dict] | None = None) -> None:
-    """Write `module` as an HF model folder (config, safetensors, tokenizer, generation config).
+    """Write `model` (a DeepSpeed engine or a module) as an HF model folder (config,
+    safetensors, tokenizer, generation config).
 
     Works under every ZeRO stage: parameters are gathered one at a time (collective: every
-    rank must call this), only rank 0 writes. LoRA is merged into the saved weights (the
-    trained tensors stay as they are); tied weights are saved once and stay tied on load.
+    rank must call this), only rank 0 writes; pass the engine so that ZeRO-3 prefetches
+    left in flight by an evaluation are settled first. LoRA is merged into the saved
+    weights (the trained tensors stay as they are); tied weights are saved once and stay
+    tied on load.
     """
-    from dschat.engine.zero import full_state_dict
+    from dschat.engine.zero import engine_and_module, full_state_dict
     from dschat.models.lora import merged_state_dict
 
-    state = full_state_dict(module, rank=rank)
+    state = full_state_dict(model, rank=rank)
+    fault_point("hf_save", 1)
+    _, module = engine_and_module(model)
     if rank != 0:
         return
     base = unwrap_peft(module)

@@ -25,6 +25,7 @@ from transformers import AutoModel
 
 from dschat.models.model_utils import (create_hf_model, has_weights, load_config, save_tokenizer_and_config)
 from dschat.registry import family_of
+from dschat.utils.checkpoint import fault_point
 from dschat.utils.errors import UserInputError
 
 MARKER_FILE = "reward_model.json"
@@ -199,15 +200,18 @@ def load_reward_model(path: str | Path, tokenizer, *, dropout: float | None = No
     return model
 
 
-def save_reward_model(module: RewardModel, tokenizer, output_dir: str | Path, *, rank: int = 0,
+def save_reward_model(model, tokenizer, output_dir: str | Path, *, rank: int = 0,
                       extra: dict | None = None) -> None:
-    """Write a reward-model folder (collective under ZeRO-3: every rank must call)."""
+    """Write a reward-model folder from a RewardModel or its DeepSpeed engine (collective
+    under ZeRO-3: every rank must call; see `save_hf_format` for why the engine)."""
     from safetensors.torch import save_file
 
-    from dschat.engine.zero import full_state_dict
+    from dschat.engine.zero import engine_and_module, full_state_dict
     from dschat.models.lora import merged_state_dict
 
-    full = full_state_dict(module, rank=rank)
+    full = full_state_dict(model, rank=rank)
+    fault_point("hf_save", 1)
+    _, module = engine_and_module(model)
     if rank != 0:
         return
     prefix = "rwtransformer."

@@ -19,7 +19,9 @@ Resuming needs the same world size (ZeRO shards are per rank). Test-only fault h
 DSCHAT_TEST_KILL_AT="step:5" or "save:2" makes rank DSCHAT_TEST_KILL_RANK (default 1)
 SIGKILL itself after step 5 / inside its 2nd save (engine states written, no marker yet);
 DSCHAT_TEST_NONFINITE="3,4" makes that rank see a NaN loss at those update steps
-(DSCHAT_TEST_NONFINITE_NAME picks one check: "loss", "reward", "actor_loss", "critic_loss").
+(DSCHAT_TEST_NONFINITE_NAME picks one check: "loss", "reward", "actor_loss", "critic_loss");
+DSCHAT_TEST_FAIL_AT="hf_save:1" makes that rank raise OSError at the point instead of dying
+(the writing of the first final model folder).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from dschat.utils import dist
-from dschat.utils.errors import TrainingHalted, UserInputError
+from dschat.utils.errors import FinalSaveFailed, TrainingHalted, UserInputError
 from dschat.utils.logging import get_logger, print_rank_0
 from dschat.utils.run import save_json
 
@@ -194,8 +196,8 @@ def skip_batches(loader: DataLoader, batches: int) -> DataLoader:
 
 
 # ----------------------------------------------------------------------- test fault hooks
-def _kill_spec() -> tuple[str, int] | None:
-    spec = os.environ.get("DSCHAT_TEST_KILL_AT", "")
+def _kill_spec(variable: str = "DSCHAT_TEST_KILL_AT") -> tuple[str, int] | None:
+    spec = os.environ.get(variable, "")
     if ":" not in spec:
         return None
     kind, _, n = spec.partition(":")
@@ -207,10 +209,15 @@ def _fault_rank() -> int:
 
 
 def fault_point(kind: str, n: int) -> None:
-    """SIGKILL this process at the point DSCHAT_TEST_KILL_AT names (tests only)."""
-    if _kill_spec() == (kind, n) and dist.get_rank() == _fault_rank():
+    """SIGKILL this process at the point DSCHAT_TEST_KILL_AT names, or raise OSError at the
+    one DSCHAT_TEST_FAIL_AT names (tests only)."""
+    if dist.get_rank() != _fault_rank():
+        return
+    if _kill_spec() == (kind, n):
         print(f"[rank{dist.get_rank()}] DSCHAT_TEST_KILL_AT={kind}:{n}: SIGKILL", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    if _kill_spec("DSCHAT_TEST_FAIL_AT") == (kind, n):
+        raise OSError(f"DSCHAT_TEST_FAIL_AT={kind}:{n}: injected failure")
 
 
 def _forced_nonfinite(name: str, step: int, micro: int | None) -> bool:
@@ -296,6 +303,31 @@ class Checkpointer:
         self.last_saved_step = step
         print_rank_0(f"saved checkpoint {final} ({time.time() - start:.1f}s)")
         return final
+
+    def save_final(self, write_models, save, where: str) -> None:
+        """Write the run's final models with `write_models()` (a collective) without risking
+        the run: if it fails on any rank, the trained state is saved first with `save()` (a
+        complete checkpoint), then `FinalSaveFailed` says in one line how to get the models
+        from it (rerun with --resume: a run resumed at its last step only writes them).
+
+        Every rank must reach the agreement after `write_models`, so a failure is caught
+        wherever it happens on a rank; one inside a collective that another rank never
+        joins would still hang (DeepSpeed's own timeouts apply).
+        """
+        error = None
+        try:
+            write_models()
+        except Exception as e:  # whatever failed, the trained state must not be lost
+            logger.exception(f"rank {dist.get_rank()}: writing the final models to {where} failed")
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        failed = [(r, e) for r, e in enumerate(dist.all_gather_object(error)) if e is not None]
+        if not failed:
+            return
+        path = save()
+        rank, message = failed[0]
+        raise FinalSaveFailed(
+            f"writing the final model to {where} failed on rank {rank} ({message}); the trained state "
+            f"is saved in {path}: rerun the same command with --resume to write the model from it")
 
     def find(self, resume: bool) -> Path | None:
         """Clean incomplete checkpoints (rank 0); with --resume, agree on the newest complete

@@ -47,3 +47,12 @@ def broadcast_object(obj, src: int = 0):
     holder = [obj]
     _dist().broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's `obj`, in rank order (`[obj]` without a process group)."""
+    if not is_initialized():
+        return [obj]
+    out = [None] * get_world_size()
+    _dist().all_gather_object(out, obj)
+    return out

@@ -8,3 +8,8 @@ class UserInputError(ValueError):
 class TrainingHalted(RuntimeError):
     """Training stopped on purpose (e.g. too many non-finite losses in a row); the message
     says why and where the last good checkpoint is. Entry points exit 3."""
+
+
+class FinalSaveFailed(RuntimeError):
+    """Writing a run's final models failed; the trained state was saved as a checkpoint
+    first and the message says how to get the models from it. Entry points exit 4."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dschat.utils.errors import TrainingHalted, UserInputError
+from dschat.utils.errors import FinalSaveFailed, TrainingHalted, UserInputError
 
 
 def set_seed(seed: int) -> None:
@@ -42,7 +42,8 @@ def resolve_under(output_dir: str, path: str) -> str:
 
 def main_guard(main, hard_exit: bool | None = None):
     """Run `main`: bad user input becomes one line on stderr and exit code 2; a run that
-    halted on purpose (`TrainingHalted`) prints its reason and exits 3.
+    halted on purpose (`TrainingHalted`) prints its reason and exits 3; a final save that
+    failed after the trained state was checkpointed (`FinalSaveFailed`) exits 4.
 
     A process that started a process group leaves through `os._exit` once `main` is done
     and its outputs are flushed: with torch 2.13 + gloo on loaded CPUs a rank sometimes died
@@ -62,6 +63,9 @@ def main_guard(main, hard_exit: bool | None = None):
     except TrainingHalted as e:
         print(f"halted: {e}", file=sys.stderr, flush=True)
         code = 3
+    except FinalSaveFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 4
     if hard_exit is None:
         hard_exit = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not hard_exit:

@@ -70,6 +70,7 @@ def train_step(engine, group, device, accumulation: int, world: int, guard: NonF
     micro-batches and ranks. A non-finite loss on any rank skips the whole update on
     every rank (None is returned).
     """
+    engine.train()  # every step: a resumed run skips the first eval, and from_pretrained models start in eval
     tokens = all_reduce_sum(token_count(group)).item()
     scale = world * accumulation / max(tokens, 1.0)  # DeepSpeed divides by both
     total = torch.zeros((), device=device)
@@ -133,6 +134,7 @@ def main(argv=None):
                                 "nonfinite": guard.state(), "config": run_config})
 
     progress = tqdm(total=total_steps, initial=step, desc="step 1 (SFT)", disable=rank() != 0)
+    epoch = start_epoch
     for epoch in range(start_epoch, args.num_train_epochs):
         if step >= total_steps:
             break
@@ -164,7 +166,8 @@ def main(argv=None):
     if result is None:  # resumed after the last step: nothing was left to train
         result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
 
-    save_hf_format(engine.module, tokenizer, args.output_dir, rank=rank())
+    ckpt.save_final(lambda: save_hf_format(engine, tokenizer, args.output_dir, rank=rank()), save,
+                    args.output_dir)
     if rank() == 0:
         run_config["final_eval"] = result
         save_json(run_config, f"{args.output_dir}/training_config.json")

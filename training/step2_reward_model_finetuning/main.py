@@ -23,7 +23,7 @@ from dschat.engine.distributed import all_reduce_sum, init_distributed, rank
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
 from dschat.engine.train_utils import (abandon_accumulation, log_train_step, make_loader, micro_batch_groups,
                                        to_device)
-from dschat.engine.zero import initialize_engine
+from dschat.engine.zero import initialize_engine, release_prefetched
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import load_tokenizer
 from dschat.models.reward_model import create_reward_model, save_reward_model
@@ -68,6 +68,7 @@ def build_engine(args, tokenizer, ds_config, num_update_steps):
 def train_step(engine, group, device, world: int, guard: NonFiniteGuard, step: int) -> float | None:
     """One optimizer step over `group` micro-batches; the mean pair loss over ranks.
     A non-finite loss on any rank skips the whole update on every rank (None)."""
+    engine.train()  # every step: a resumed run skips the first eval, and from_pretrained models start in eval
     loss = torch.zeros((), device=device)
     for i, batch in enumerate(group):
         batch = to_device(batch, device)
@@ -95,6 +96,7 @@ def evaluate(engine, loader, device, max_batches: int) -> dict:
         totals += torch.stack([(chosen > rejected).sum().float(), torch.tensor(float(chosen.numel()), device=device),
                                chosen.sum(), rejected.sum()])
     totals = all_reduce_sum(totals)
+    release_prefetched(engine)  # nothing left in flight for a save or the next gather
     engine.train()
     pairs = totals[1].clamp(min=1)
     return {"acc": (totals[0] / pairs).item(), "chosen_score": (totals[2] / pairs).item(),
@@ -148,6 +150,7 @@ def main(argv=None):
 
     result = run_eval(0) if resumed is None else None
     progress = tqdm(total=total_steps, initial=step, desc="step 2 (reward model)", disable=rank() != 0)
+    epoch = start_epoch
     for epoch in range(start_epoch, args.num_train_epochs):
         if step >= total_steps:
             break
@@ -176,7 +179,8 @@ def main(argv=None):
     if result is None:  # resumed after the last step: nothing was left to train
         result = run_eval(step)
 
-    save_reward_model(engine.module, tokenizer, args.output_dir, rank=rank())
+    ckpt.save_final(lambda: save_reward_model(engine, tokenizer, args.output_dir, rank=rank()), save,
+                    args.output_dir)
     if rank() == 0:
         run_config["final_eval"] = result
         save_json(run_config, f"{args.output_dir}/training_config.json")
