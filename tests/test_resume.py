@@ -229,3 +229,28 @@ def test_step3_resume_is_exact_for_actor_critic_ema_and_sampling(tmp_path):
     # a non-finite critic loss skipped the critic's 2 updates of step 2 only; the actor trained on
     assert series(crit, "train/skipped_nonfinite") == {1: 0, 2: 2, 3: 2, 4: 2}
     assert series(crit, "ppo/actor_loss")[2] == series(full, "ppo/actor_loss")[2]
+
+
+# ------------------------------------------------------------------ steps 1-2 from a saved model, 2 ranks
+def test_resume_from_a_saved_model_trains_with_dropout(tmp_path):
+    """Steps 1 and 2 from a saved folder (from_pretrained hands the model over in eval mode)
+    with dropout 0.1: the resumed run skips the first evaluation, and still trains in train
+    mode - its losses after the checkpoint equal the uninterrupted run's, bit for bit."""
+    sft, _ = make_step3_models(tmp_path)
+    cache = tmp_path / "cache"
+    d = {k: tmp_path / k for k in ("s1", "s1_res", "s2", "s2_res")}
+
+    def argv(out, extra=()):
+        args = step1_argv(out, cache, steps=4, extra=["--save_interval", 2, *extra])
+        args[args.index("--model_name_or_path") + 1] = str(sft)
+        return args
+    runs = [{"step": 1, "argv": argv(d["s1"])},
+            {"step": 1, "argv": argv(d["s1_res"], ["--resume"]), "copy_checkpoint": [str(d["s1"]), 2, str(d["s1_res"])]},
+            {"step": 2, "argv": argv(d["s2"])},
+            {"step": 2, "argv": argv(d["s2_res"], ["--resume"]), "copy_checkpoint": [str(d["s2"]), 2, str(d["s2_res"])]}]
+    results, _ = run_plan(tmp_path, runs, timeout=400)
+    assert all(r["rc"] == 0 for r in results), results
+    for full, res in (("s1", "s1_res"), ("s2", "s2_res")):
+        a, b = series(d[full], "train/loss"), series(d[res], "train/loss")
+        assert len(a) == 4 and sorted(b) == [3, 4], (full, a, b)
+        assert all(a[s] == b[s] for s in b), (full, a, b)

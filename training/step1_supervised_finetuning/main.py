@@ -71,6 +71,7 @@ def train_step(engine, group, device, accumulation: int, world: int, guard: NonF
     every rank (None is returned).
     """
     engine.train()  # every step: a resumed run skips the first eval, and from_pretrained models start in eval
+    engine.train()  # every step: a resumed run skips the first eval, and from_pretrained models start in eval
     tokens = all_reduce_sum(token_count(group)).item()
     scale = world * accumulation / max(tokens, 1.0)  # DeepSpeed divides by both
     total = torch.zeros((), device=device)
