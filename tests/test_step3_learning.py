@@ -133,3 +133,26 @@ def test_schedule_length_counts_optimizer_steps():
     assert steps(generation_batch_size=5, training_batch_size=2) == 30     # the last micro-batch is smaller
     assert steps(generation_batches=3, ppo_epochs=2) == 9 * 2 * 2          # the 10th batch never trains
     assert steps(gradient_accumulation_steps=3) == 6
+
+
+def test_lora_at_zero3_only_lora_with_block_hooks_and_bf16(models, tmp_path):
+    """--only_optimize_lora (actor and critic LoRA) with the default block hook granularity
+    trains like --zero3_hook_granularity module (same merged actor after one step); bf16
+    with actor LoRA at ZeRO-3 builds and trains, its first micro-step's |log-ratio| within
+    0.02 (bf16: the experience pass and the training forward may round differently)."""
+    lora = ["--enable_hybrid_engine", "--actor_lora_dim", "4", "--critic_lora_dim", "4", "--only_optimize_lora",
+            "--enable_ema"]
+    runs = {"block": {"argv": argv(models, tmp_path / "block", steps=1, gen=2, train=2, extra=lora)},
+            "module": {"argv": argv(models, tmp_path / "module", steps=1, gen=2, train=2,
+                                    extra=[*lora, "--zero3_hook_granularity", "module"])},
+            "bf16": {"argv": argv(models, tmp_path / "bf16", steps=2, extra=["--enable_hybrid_engine", "--dtype", "bf16",
+                                                                             "--actor_lora_dim", "4"])}}
+    results = probe(tmp_path, runs)
+    for block, module in zip(results["block"], results["module"]):
+        check_scoring(block)
+        check_first_micro(block, 1e-5)
+        assert block["ema"]["actor_vs_sft"] > 1e-4, block["ema"]
+        assert block["ema"] == pytest.approx(module["ema"], rel=1e-4, abs=1e-7), (block["ema"], module["ema"])
+    for rec in results["bf16"]:
+        check_scoring(rec)
+        check_first_micro(rec, 0.02)
