@@ -140,7 +140,7 @@ def gathered_state_reference(engine, template):
     """HF reference holding the engine's current weights: gather a full state dict (all
     ranks), load it into a copy of the pre-DeepSpeed `template`, merge LoRA with peft."""
     from dschat.engine.zero import full_state_dict
-    state = full_state_dict(engine.module, rank0_only=False)
+    state = full_state_dict(engine, rank0_only=False)
     model = copy.deepcopy(template)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in state]

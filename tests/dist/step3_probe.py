@@ -158,8 +158,8 @@ def ema_report(e, args) -> dict:
     from dschat.rlhf.trainer import PPOConfig
 
     beta = PPOConfig.ema_beta
-    actor = merged_state_dict(e.actor.module, full_state_dict(e.actor.module, rank0_only=False))
-    ema = full_state_dict(e.ema.module, rank0_only=False)
+    actor = merged_state_dict(e.actor.module, full_state_dict(e.actor, rank0_only=False))
+    ema = full_state_dict(e.ema, rank0_only=False)
     sft = load_file(str(Path(args.actor_model_name_or_path) / "model.safetensors"))
     out = {"ema_vs_sft": 0.0, "actor_vs_sft": 0.0, "ema_vs_one_update": 0.0, "compared": 0}
     for name, value in ema.items():

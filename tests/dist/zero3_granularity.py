@@ -73,7 +73,7 @@ def run(family: str, critic: bool, granularity: str, rank: int, checkpointing: b
         engine.step()
         losses.append(loss.item())
     n = fetches["n"]
-    state = full_state_dict(engine.module, rank0_only=False)
+    state = full_state_dict(engine, rank0_only=False)
     return losses, state, n
 
 
