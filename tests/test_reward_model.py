@@ -89,3 +89,97 @@ def test_mismatched_keys_listed(tmp_path, tokenizer):
     torch.save(state, tmp_path / "pytorch_model.bin")
     with pytest.raises(UserInputError, match="missing keys.*dense_h_to_4h.*unexpected keys.*extra"):
         load_reward_model(tmp_path, tokenizer)
+
+
+# ------------------------------------------------------------------ upstream DS-Chat's maths as the reference
+def upstream_pair_loss(values, ids, pad, num_padding_at_beginning=0):
+    """DS-Chat's RewardModel.forward on precomputed values [2B, L]: its pad scan for the
+    ends, the span from the first differing token to the later end (an identical pair: the
+    last column), the mean -logsigmoid over it, end scores at end - 1."""
+    bs, seq_len = ids.shape[0] // 2, ids.shape[1]
+
+    def end_of(row):
+        pads = (row == pad).nonzero()
+        return pads[num_padding_at_beginning].item() if len(pads) > num_padding_at_beginning else seq_len
+    loss, chosen, rejected = 0.0, [], []
+    for i in range(bs):
+        c_ids, r_ids = ids[i], ids[bs + i]
+        c_end = end_of(c_ids)
+        differ = (c_ids != r_ids).nonzero()
+        if len(differ) == 0:
+            end, start, r_end = seq_len, seq_len - 1, c_end
+        else:
+            r_end = end_of(r_ids)
+            end, start = max(c_end, r_end), differ[0].item()
+        loss += -F.logsigmoid(values[i, start:end] - values[bs + i, start:end]).mean()
+        chosen.append(values[i, c_end - 1])
+        rejected.append(values[bs + i, r_end - 1])
+    return loss / bs, torch.stack(chosen), torch.stack(rejected)
+
+
+def upstream_end_scores(values, ids, prompt_length, pad):
+    """DS-Chat's RewardModel.forward_value (step 3): the first pad after the prompt ends a row."""
+    out = []
+    for i in range(ids.shape[0]):
+        pads = (ids[i, prompt_length:] == pad).nonzero()
+        end = pads[0].item() + prompt_length if len(pads) else ids.shape[1]
+        out.append(values[i, end - 1])
+    return torch.stack(out)
+
+
+def step2_batch(tokenizer, cache, rows=6):
+    """Real step-2 rows (bundled pairs, right-padded to 48) plus one identical pair."""
+    from dschat.data import DataCollatorReward, create_prompt_dataset
+    train, _ = create_prompt_dataset(0, ["dschat/synthetic-assistant"], "6,3,1", str(cache), 2, 1234, tokenizer, 48)
+    items = [train[i] for i in range(rows)]
+    same = dict(items[0], rejected_input_ids=items[0]["chosen_input_ids"],
+                rejected_attention_mask=items[0]["chosen_attention_mask"])
+    return DataCollatorReward()(items + [same])
+
+
+@pytest.mark.parametrize("family", ["bloom", "llama", "gpt_neox"])
+def test_step2_loss_and_end_scores_equal_upstream_where_pad_is_not_eos(tmp_path, tokenizer, family):
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    model = create_reward_model(str(CONFIGS / f"{family}.json"), tokenizer, seed=5,
+                                num_padding_at_beginning=0).eval()
+    torch.nn.init.normal_(model.v_head.weight, std=0.5)
+    batch = step2_batch(tokenizer, tmp_path / "cache")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        out, v = model(ids, mask), model.values(ids, mask)
+    loss, chosen, rejected = upstream_pair_loss(v, ids, tokenizer.pad_token_id)
+    torch.testing.assert_close(out["loss"], loss)
+    torch.testing.assert_close(out["chosen_mean_scores"], chosen)
+    torch.testing.assert_close(out["rejected_mean_scores"], rejected)
+    # step 3: left-padded prompt, answer, right pads
+    P, pad = 5, tokenizer.pad_token_id
+    seq = torch.tensor([[pad, pad, 7, 8, 9, 20, 21, 22, tokenizer.eos_token_id, pad],
+                        [3, 4, 7, 8, 9, 30, 31, 32, 33, 34]])
+    seq_mask = (seq != pad).long()
+    with torch.no_grad():
+        ours = model.forward_value(seq, seq_mask)["chosen_end_scores"]
+        want = upstream_end_scores(model.values(seq, seq_mask), seq, P, pad)
+    torch.testing.assert_close(ours, want)
+
+
+def test_step2_where_pad_is_eos_scores_the_eos_upstream_the_token_before(tmp_path, tokenizer):
+    """pad == eos (llama, gpt2 tokenizers): upstream's pad scan stops at the eos itself, so
+    its end score is the token before the eos and the eos is outside the loss span; ours
+    reads ends from the attention mask, where the eos is a real token: the score is the
+    eos's value and the span includes it. Everything else is the same maths."""
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = tok.eos_token
+    model = create_reward_model(str(CONFIGS / "bloom.json"), tok, seed=5, num_padding_at_beginning=0).eval()
+    torch.nn.init.normal_(model.v_head.weight, std=0.5)
+    batch = step2_batch(tok, tmp_path / "cache")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        out, v = model(ids, mask), model.values(ids, mask)
+    _, up_chosen, _ = upstream_pair_loss(v, ids, tok.pad_token_id)
+    eos_at = last_token_index(mask)                           # ours: the row's eos (mask 1)
+    bs = ids.shape[0] // 2
+    assert (ids[torch.arange(2 * bs), eos_at] == tok.eos_token_id).all()
+    torch.testing.assert_close(out["chosen_mean_scores"], v[torch.arange(bs), eos_at[:bs]])
+    torch.testing.assert_close(up_chosen, v[torch.arange(bs), eos_at[:bs] - 1])
+    assert not torch.allclose(out["chosen_mean_scores"], up_chosen)
