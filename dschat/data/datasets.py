@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 
 from dschat.data import formats as F
 from dschat.data.cache import build_once, cache_key, tokenizer_fingerprint
+from dschat.data.chat import ChatFormat
 from dschat.data.sources import Source, fingerprint, iter_entries, load_source, resolve_entry
 from dschat.data.split import (chunk_indices, parse_data_split, permutation, take,
                                train_eval_indices)
@@ -149,17 +150,20 @@ def blend_rows(data_path: Sequence[str], data_split: str, phase: int, seed: int,
 
 
 # ----------------------------------------------------------------------------- tokenise
-def _tokenize_phase1(rows, tokenizer, max_len, eot, side, stats):
-    seqs = encode(tokenizer, [r.prompt + r.chosen + eot for r in rows])
+def _tokenize_phase1(rows, chat, max_len, eot, side, stats):
+    seqs = encode(chat.tokenizer, [chat.conversation(r.prompt, r.chosen, eot) for r in rows],
+                  chat.add_special_tokens)
     stats["truncated"] = sum(len(s) > max_len for s in seqs)
     return {"input": pack([truncate(s, max_len, side) for s in seqs])}
 
 
-def _tokenize_phase2(rows, tokenizer, max_len, eot, side, stats):
+def _tokenize_phase2(rows, chat, max_len, eot, side, stats):
     distinct = [r for r in rows if r.chosen != r.rejected]
     stats["identical_pairs"] = len(rows) - len(distinct)
-    chosen = encode(tokenizer, [r.prompt + r.chosen + eot for r in distinct])
-    rejected = encode(tokenizer, [r.prompt + r.rejected + eot for r in distinct])
+    chosen = encode(chat.tokenizer, [chat.conversation(r.prompt, r.chosen, eot) for r in distinct],
+                    chat.add_special_tokens)
+    rejected = encode(chat.tokenizer, [chat.conversation(r.prompt, r.rejected, eot) for r in distinct],
+                      chat.add_special_tokens)
     stats["truncated"] = sum(len(c) > max_len or len(r) > max_len
                              for c, r in zip(chosen, rejected))
     chosen = [truncate(s, max_len, side) for s in chosen]
@@ -171,8 +175,8 @@ def _tokenize_phase2(rows, tokenizer, max_len, eot, side, stats):
             "rejected": pack([rejected[i] for i in keep])}
 
 
-def _tokenize_phase3(rows, tokenizer, max_len, eot, side, stats):
-    prompts = encode(tokenizer, [r.prompt for r in rows])
+def _tokenize_phase3(rows, chat, max_len, eot, side, stats):
+    prompts = encode(chat.tokenizer, [chat.prompt(r.prompt) for r in rows], chat.add_special_tokens)
     fitting = [p for p in prompts if len(p) <= max_len]
     stats["too_long_prompts"] = len(prompts) - len(fitting)
     stats["shortest_prompt"] = min((len(p) for p in prompts), default=0)
@@ -194,14 +198,14 @@ def _log_drops(split: str, phase: int, max_len: int, stats: dict) -> None:
                 f"step {phase} {split}: {stats[key]} {note}")
 
 
-def _build_prompt_payload(data_path, data_split, phase, seed, tokenizer, max_seq_len, eot,
+def _build_prompt_payload(data_path, data_split, phase, seed, chat, max_seq_len, eot,
                           sft_only_data_path):
     train, evals = blend_rows(data_path, data_split, phase, seed, sft_only_data_path)
-    side = getattr(tokenizer, "truncation_side", "right")
+    side = getattr(chat.tokenizer, "truncation_side", "right")
     splits, meta = {}, {"train_phase": phase, "max_seq_len": max_seq_len, "stats": {}}
     for split, rows in (("train", train), ("eval", evals)):
         stats = {"rows": len(rows)}
-        splits[split] = _TOKENIZERS[phase](rows, tokenizer, max_seq_len, eot, side, stats)
+        splits[split] = _TOKENIZERS[phase](rows, chat, max_seq_len, eot, side, stats)
         stats["items"] = packed_len(next(iter(splits[split].values())))
         meta["stats"][split] = stats
         _log_drops(split, phase, max_seq_len, stats)
@@ -233,7 +237,7 @@ def _validate_common(train_phase: int, max_seq_len: int) -> None:
 
 def prompt_cache_dir(data_path, data_split: str, output_path: str, train_phase: int, seed: int,
                      tokenizer, max_seq_len: int, end_of_conversation_token=None,
-                     sft_only_data_path=()) -> Path:
+                     sft_only_data_path=(), chat_template: str = "none") -> Path:
     """The cache folder `create_prompt_dataset` uses for these arguments."""
     data_path, sft_only = _entries(data_path), _entries(sft_only_data_path)
     fractions = parse_data_split(data_split)
@@ -243,6 +247,9 @@ def prompt_cache_dir(data_path, data_split: str, output_path: str, train_phase: 
         "data_path": [fingerprint(resolve_entry(e, "--data_path")) for e in data_path],
         "tokenizer": tokenizer_fingerprint(tokenizer), "pad_id": pad_token_id(tokenizer),
     }
+    chat = ChatFormat(tokenizer, chat_template).fingerprint
+    if chat != "none":  # raw-text caches keep the keys they always had
+        parts["chat"] = chat
     if train_phase in (1, 2):
         parts["eot"] = end_of_conversation_text(tokenizer, end_of_conversation_token)
     if train_phase == 1:
@@ -254,12 +261,13 @@ def prompt_cache_dir(data_path, data_split: str, output_path: str, train_phase: 
 def create_prompt_dataset(local_rank: int, data_path: list[str], data_split: str,
                           output_path: str, train_phase: int, seed: int, tokenizer,
                           max_seq_len: int, end_of_conversation_token: Optional[str] = None,
-                          sft_only_data_path: list[str] = (),
-                          reload: bool = False) -> tuple[PromptDataset, PromptDataset]:
+                          sft_only_data_path: list[str] = (), reload: bool = False,
+                          chat_template: str = "none") -> tuple[PromptDataset, PromptDataset]:
     """(train, eval) datasets of step `train_phase`, built once on local rank 0 and cached.
 
     Step 3: `max_seq_len` is the maximum prompt length (--max_prompt_seq_len); longer
-    prompts are dropped.
+    prompts are dropped. `chat_template` "auto" renders rows with the tokenizer's chat
+    template when it has one (dschat.data.chat); "none" keeps DS-Chat's raw text.
     """
     _validate_common(train_phase, max_seq_len)
     data_path, sft_only = _entries(data_path), _entries(sft_only_data_path)
@@ -268,10 +276,12 @@ def create_prompt_dataset(local_rank: int, data_path: list[str], data_split: str
     eot = end_of_conversation_text(tokenizer, end_of_conversation_token)
     pad_id = pad_token_id(tokenizer)
     folder = prompt_cache_dir(data_path, data_split, output_path, train_phase, seed, tokenizer,
-                              max_seq_len, end_of_conversation_token, sft_only)
+                              max_seq_len, end_of_conversation_token, sft_only, chat_template)
+    chat = ChatFormat(tokenizer, chat_template, eot)
+    logger.info(f"step {train_phase} data: conversations as {chat.describe()}")
 
     def build():
-        return _build_prompt_payload(data_path, data_split, train_phase, seed, tokenizer,
+        return _build_prompt_payload(data_path, data_split, train_phase, seed, chat,
                                      max_seq_len, eot, sft_only if train_phase == 1 else ())
 
     splits, meta = build_once(folder, build, local_rank, reload, SPLITS)

@@ -19,17 +19,18 @@ logger = get_logger("dschat.data")
 ENCODE_BATCH = 1024
 
 
-def encode(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+def encode(tokenizer, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
     """Token ids of each text, untruncated, with the tokenizer's own special tokens.
 
     `add_special_tokens=True` as upstream, so tokenizers that prepend bos (LLaMA, OPT) keep
-    doing it; the bundled tokenizer adds nothing.
+    doing it; the bundled tokenizer adds nothing. Text rendered by a chat template already
+    holds them (False).
     """
     out: list[list[int]] = []
     for start in range(0, len(texts), ENCODE_BATCH):
         batch = list(texts[start:start + ENCODE_BATCH])
         # verbose=False: no "sequence longer than model_max_length" warning; we cut ourselves.
-        out.extend(tokenizer(batch, add_special_tokens=True, verbose=False)["input_ids"])
+        out.extend(tokenizer(batch, add_special_tokens=add_special_tokens, verbose=False)["input_ids"])
     return out
 
 

@@ -71,7 +71,6 @@ def train_step(engine, group, device, accumulation: int, world: int, guard: NonF
     every rank (None is returned).
     """
     engine.train()  # every step: a resumed run skips the first eval, and from_pretrained models start in eval
-    engine.train()  # every step: a resumed run skips the first eval, and from_pretrained models start in eval
     tokens = all_reduce_sum(token_count(group)).item()
     scale = world * accumulation / max(tokens, 1.0)  # DeepSpeed divides by both
     total = torch.zeros((), device=device)
@@ -101,6 +100,7 @@ def main(argv=None):
     train_data, eval_data = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 1, args.seed,
         tokenizer, args.max_seq_len, end_of_conversation_token=args.eot_token if args.add_eot_token else None,
+        chat_template=args.chat_template,
         sft_only_data_path=args.sft_only_data_path)
     train_loader = make_loader(train_data, args.per_device_train_batch_size, shuffle=True, seed=args.seed)
     eval_loader = make_loader(eval_data, args.per_device_eval_batch_size, shuffle=False, seed=args.seed)

@@ -114,7 +114,8 @@ def main(argv=None):
                                eot_token=args.eot_token)
     train_data, eval_data = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed,
-        tokenizer, args.max_seq_len, end_of_conversation_token=args.eot_token if args.add_eot_token else None)
+        tokenizer, args.max_seq_len, end_of_conversation_token=args.eot_token if args.add_eot_token else None,
+        chat_template=args.chat_template)
     collator = DataCollatorReward()
     train_loader = make_loader(train_data, args.per_device_train_batch_size, collator, shuffle=True, seed=args.seed)
     eval_loader = make_loader(eval_data, args.per_device_eval_batch_size, collator, shuffle=False, seed=args.seed)
