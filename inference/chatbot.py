@@ -5,10 +5,11 @@
     python inference/chatbot.py --path out/step3/actor --temperature 0.7 --top_p 0.9 --max_new_tokens 256
     printf 'What is 2 plus 3?\\nAnd 4 times 5?\\n' | python inference/chatbot.py --path ...   # not a terminal
 
-The conversation is framed as the training data is (DS-Chat's format): every turn is
-"\\n\\nHuman: <you>\\n\\nAssistant:<model>", earlier turns kept as history (the oldest are
-dropped when the prompt would exceed --max_history_tokens). An answer ends at the eos token
-or where the model starts a new "Human:"/"Assistant:" turn itself. Commands: `clear` starts
+The conversation is framed as the training data is: the tokenizer's chat template when it
+has one (--chat_template auto), else DS-Chat's "\\n\\nHuman: <you>\\n\\nAssistant:<model>";
+earlier turns are kept as history (the oldest are dropped when the prompt would exceed
+--max_history_tokens). An answer ends at eos, the template's end-of-turn token, or where
+the model starts a new "Human:"/"Assistant:" turn itself. Commands: `clear` starts
 a new conversation, `quit` (or end of input) leaves. When stdin is not a terminal each
 line is one turn, echoed after "Human:", so transcripts read like a session.
 """
@@ -22,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from dschat.utils.errors import UserInputError  # noqa: E402
 from dschat.utils.run import main_guard  # noqa: E402
-from inference.common import ASSISTANT, HUMAN, Sampling, load_causal_lm, pick_device, pick_dtype  # noqa: E402
+from inference.common import (ASSISTANT, HUMAN, Sampling, chat_format, load_causal_lm, pick_device,  # noqa: E402
+                              pick_dtype)
 
 MARKERS = (HUMAN, ASSISTANT, "\nHuman:", "\nAssistant:")
 
@@ -42,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, choices=("fp32", "fp16", "bf16"),
                    help="Model precision (default: bf16 on GPU, fp32 on CPU).")
     p.add_argument("--seed", type=int, default=1234, help="Sampling seed.")
+    p.add_argument("--chat_template", default="auto", choices=("auto", "none"),
+                   help="auto: the tokenizer's chat template when it has one; none: DS-Chat's raw text.")
     return p.parse_args(argv)
 
 
@@ -125,8 +129,10 @@ def make_stopper(tokenizer, prompt_len: int):
 class Chat:
     """One conversation with a model: history, prompt building, streamed generation."""
 
-    def __init__(self, model, tokenizer, sampling: Sampling, max_history_tokens: int, seed: int):
+    def __init__(self, model, tokenizer, sampling: Sampling, max_history_tokens: int, seed: int,
+                 chat_template: str = "auto"):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        self.chat = chat_format(tokenizer, chat_template)
         self.max_history_tokens = max_history_tokens
         self.seed = seed
         self.history: list[tuple[str, str]] = []
@@ -136,7 +142,7 @@ class Chat:
         turns = self.history + [(question, None)]
         while True:
             text = "".join(f"{HUMAN} {q}{ASSISTANT}" + (a if a is not None else "") for q, a in turns)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(self.chat.prompt(text), add_special_tokens=False)["input_ids"]
             if len(ids) <= self.max_history_tokens or len(turns) == 1:
                 return ids[-self.max_history_tokens:]
             turns = turns[1:]
@@ -152,7 +158,8 @@ class Chat:
         printer = TurnPrinter(out)
         torch.manual_seed(self.seed + len(self.history))
         self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                            generation_config=GenerationConfig(**self.sampling.generate_kwargs(self.tokenizer)),
+                            generation_config=GenerationConfig(**{**self.sampling.generate_kwargs(self.tokenizer),
+                                                                  "eos_token_id": list(self.chat.stop_token_ids)}),
                             streamer=make_streamer(self.tokenizer, printer),
                             stopping_criteria=make_stopper(self.tokenizer, len(ids)))
         printer.feed("", final=True)
@@ -192,7 +199,7 @@ def main(argv=None):
     model, tokenizer = load_causal_lm(args.path, device, pick_dtype(args.dtype, device))
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
     chat = Chat(model, tokenizer, sampling, context_budget(model, args.max_new_tokens, args.max_history_tokens),
-                args.seed)
+                args.seed, args.chat_template)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     decoding = "greedy" if not sampling.do_sample else (
         f"sampling (temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k})")

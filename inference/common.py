@@ -106,36 +106,34 @@ class Sampling:
         return kw
 
 
-def cut_at_eos(ids: list[int], eos_id: int | None, pad_id: int | None) -> list[int]:
-    """Answer ids up to and including the first eos (as step 3's answer mask); trailing pads off."""
-    out = []
-    for t in ids:
-        if eos_id is not None and t == eos_id:
-            out.append(t)
-            break
-        if pad_id is not None and t == pad_id and pad_id != eos_id:
-            break
-        out.append(t)
-    return out
+def chat_format(tokenizer, chat_template: str = "auto", stop_strings=None):
+    """The ChatFormat of step 3 for this tokenizer (see dschat.data.chat)."""
+    from dschat.data.chat import ChatFormat
+    from dschat.data.tokenize import end_of_conversation_text
+    return ChatFormat(tokenizer, chat_template, end_of_conversation_text(tokenizer, None), stop_strings)
 
 
 @torch.no_grad()
 def generate_answers(model, tokenizer, prompts: list[str], sampling: Sampling, *,
-                     batch_size: int = 16, max_prompt_len: int | None = None, seed: int = 1234):
+                     batch_size: int = 16, max_prompt_len: int | None = None, seed: int = 1234,
+                     chat=None):
     """Answers to framed `prompts`: a list of (prompt_ids, answer_ids, answer_text).
 
-    Prompts are tokenised alone and left-padded per batch, as step 3 feeds them; a prompt
-    longer than `max_prompt_len` keeps its last tokens.
+    Prompts are rendered as step 3 renders them (`chat`, default: the tokenizer's chat
+    template when it has one), tokenised alone and left-padded per batch; a prompt longer
+    than `max_prompt_len` keeps its last tokens. Answers end as step 3's do: at eos or the
+    end-of-turn token (kept), or before a stop string.
     """
     from transformers import GenerationConfig
 
+    chat = chat or chat_format(tokenizer)
     device = next(model.parameters()).device
     torch.manual_seed(seed)
-    config = GenerationConfig(**sampling.generate_kwargs(tokenizer))
+    config = GenerationConfig(**{**sampling.generate_kwargs(tokenizer), "eos_token_id": list(chat.stop_token_ids)})
     out = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in chunk]
+        ids = [tokenizer(chat.prompt(p), add_special_tokens=chat.add_special_tokens)["input_ids"] for p in chunk]
         if max_prompt_len:
             ids = [x[-max_prompt_len:] for x in ids]
         width = max(len(x) for x in ids)
@@ -144,7 +142,7 @@ def generate_answers(model, tokenizer, prompts: list[str], sampling: Sampling, *
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
         seq = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
         for row, prompt_ids in zip(seq[:, width:].tolist(), ids):
-            answer = cut_at_eos(row, tokenizer.eos_token_id, pad)
+            answer = row[:chat.answer_length(row, pad)]
             out.append((prompt_ids, answer, tokenizer.decode(answer, skip_special_tokens=True)))
     return out
 

@@ -9,8 +9,10 @@ Prompts: --prompts FILE (one prompt per line, or JSONL with a `prompt` field and
 optional `reference`/`chosen` answer), else held-out prompts of --data_path (default: the
 bundled demo data): the eval rows of step 3's share under --data_split/--seed, which no
 step trains on. Prompts are framed as "\\n\\nHuman: ...\\n\\nAssistant:" unless they
-already are. Decoding is greedy unless --temperature/--top_p/--top_k is given; answers
-stop at the tokenizer's eos. Runs in one process, no DeepSpeed (a GPU if there is one).
+already are, then rendered with the tokenizer's chat template when it has one
+(--chat_template). Decoding is greedy unless --temperature/--top_p/--top_k is given;
+answers end as step 3's do (eos, the template's end of turn, or before a stop string).
+Runs in one process, no DeepSpeed (a GPU if there is one).
 """
 import argparse
 import json
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from dschat.data.assets import BUNDLED_DATASET_NAME  # noqa: E402
 from dschat.utils.errors import UserInputError  # noqa: E402
 from dschat.utils.run import main_guard  # noqa: E402
-from inference.common import (Sampling, generate_answers, heldout_prompts, load_causal_lm,  # noqa: E402
+from inference.common import (Sampling, chat_format, generate_answers, heldout_prompts, load_causal_lm,  # noqa: E402
                               load_reward, pick_device, pick_dtype, read_prompts, reward_scores)
 
 
@@ -48,6 +50,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda:0 if present, else cpu).")
     p.add_argument("--dtype", default=None, choices=("fp32", "fp16", "bf16"),
                    help="Model precision (default: bf16 on GPU, fp32 on CPU).")
+    p.add_argument("--chat_template", default="auto", choices=("auto", "none"),
+                   help="auto: prompts in the tokenizer's chat template when it has one (as steps 1-3 "
+                        "train with --chat_template auto); none: DS-Chat's raw Human:/Assistant: text.")
+    p.add_argument("--stop_strings", nargs="*", default=None,
+                   help="Without a chat template, answers end before these (default: '\\n\\nHuman:').")
     p.add_argument("--jsonl", default=None, help="Also write one JSON row per prompt here.")
     p.add_argument("--summary_json", default=None, help="Write the mean rewards etc. here (JSON).")
     p.add_argument("--width", type=int, default=44, help="Column width of the printed table.")
@@ -87,7 +94,8 @@ def answer_all(args, rows, device, dtype) -> dict:
             continue
         model, tokenizer = load_causal_lm(path, device, dtype, flag=flag)
         answers[name] = generate_answers(model, tokenizer, prompts, sampling, batch_size=args.batch_size,
-                                         max_prompt_len=args.max_prompt_len, seed=args.seed)
+                                         max_prompt_len=args.max_prompt_len, seed=args.seed,
+                                         chat=chat_format(tokenizer, args.chat_template, args.stop_strings))
         answers[name + "_tokenizer"] = tokenizer
         del model
     return answers

@@ -107,3 +107,18 @@ def test_template_errors_are_one_line(templated):
     assert "--chat_template none" in str(err.value)
     with pytest.raises(Exception, match="--chat_template 'x'"):
         ChatFormat(templated, "x")
+
+
+def test_answer_length_keeps_the_stop_token_and_drops_a_stop_string(plain, templated):
+    raw = ChatFormat(plain, "auto", plain.eos_token)
+    pad = plain.pad_token_id
+    ids = plain(" It is 6.", add_special_tokens=False)["input_ids"]
+    assert raw.answer_length(ids + [plain.eos_token_id, pad, pad], pad) == len(ids) + 1
+    assert raw.answer_length(ids + [pad, pad], pad) == len(ids)
+    ran_on = ids + plain("\n\nHuman: And then?", add_special_tokens=False)["input_ids"]
+    assert plain.decode(ran_on[:raw.answer_length(ran_on, pad)]) == " It is 6."
+    assert ChatFormat(plain, "auto", stop_strings=()).answer_length(ran_on, pad) == len(ran_on)
+    chat = ChatFormat(templated, "auto")
+    im_end = templated.convert_tokens_to_ids("<|im_end|>")
+    ids = templated("It is 6.", add_special_tokens=False)["input_ids"]
+    assert chat.answer_length(ids + [im_end, 5, 6], templated.pad_token_id) == len(ids) + 1

@@ -128,6 +128,37 @@ class ChatFormat:
         return full[:cut + len(self.turn_end)] if cut >= len(head) else full.rstrip()
 
 
+    def answer_length(self, ids: list[int], pad_id: Optional[int]) -> int:
+        """How many of a generated answer's `ids` belong to it: up to and including the first
+        stop token (eos, end of turn); else up to the first pad when pad is no stop token;
+        then, with stop strings, only the tokens before the first one begins (a stop string
+        is the start of the user's next turn, not part of the answer)."""
+        n = len(ids)
+        for i, t in enumerate(ids):
+            if t in self.stop_token_ids:
+                n = i + 1
+                break
+            if t == pad_id:
+                n = i
+                break
+        if not self.stop_strings or n == 0:
+            return n
+        decode = self.tokenizer.decode
+        text = decode(ids[:n])
+        found = [p for p in (text.find(s) for s in self.stop_strings) if p >= 0]
+        if not found:
+            return n
+        start = min(found)
+        lo, hi = 0, n  # the most tokens whose text ends before the stop string starts
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(decode(ids[:mid])) <= start:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
 def _single_token_id(tokenizer, text: str) -> Optional[int]:
     """The id of `text` when it is one token of the vocabulary, else None."""
     if not text:
