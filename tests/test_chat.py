@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from dschat.data import create_prompt_dataset, prompt_cache_dir
@@ -122,3 +123,21 @@ def test_answer_length_keeps_the_stop_token_and_drops_a_stop_string(plain, templ
     im_end = templated.convert_tokens_to_ids("<|im_end|>")
     ids = templated("It is 6.", add_special_tokens=False)["input_ids"]
     assert chat.answer_length(ids + [im_end, 5, 6], templated.pad_token_id) == len(ids) + 1
+
+
+def test_step3_answer_mask_stops_at_any_stop_id_and_before_a_stop_string(plain):
+    from dschat.rlhf.trainer import answer_mask
+
+    chat = ChatFormat(plain, "auto", plain.eos_token)
+    pad, eos = plain.pad_token_id, plain.eos_token_id
+    answer = plain(" It is 6.", add_special_tokens=False)["input_ids"]
+    turn = plain("\n\nHuman: more", add_special_tokens=False)["input_ids"]
+    width = len(answer) + len(turn) + 2
+    rows = [answer + turn + [pad, pad],                         # ran on into the user's turn
+            answer + [eos] + [pad] * (width - len(answer) - 1),  # ended at eos
+            answer + [7] + [pad] * (width - len(answer) - 1)]    # ended at a second stop id
+    mask = answer_mask(torch.tensor(rows), [eos, 7], pad, chat)
+    n = len(answer)
+    assert mask.tolist() == [[1] * n + [0] * (width - n), [1] * (n + 1) + [0] * (width - n - 1),
+                             [1] * (n + 1) + [0] * (width - n - 1)]
+    assert answer_mask(torch.tensor(rows), [eos, 7], pad)[0].sum() == n + len(turn)  # no chat: no cut

@@ -130,9 +130,8 @@ class ChatFormat:
 
     def answer_length(self, ids: list[int], pad_id: Optional[int]) -> int:
         """How many of a generated answer's `ids` belong to it: up to and including the first
-        stop token (eos, end of turn); else up to the first pad when pad is no stop token;
-        then, with stop strings, only the tokens before the first one begins (a stop string
-        is the start of the user's next turn, not part of the answer)."""
+        stop token (eos, end of turn); else up to the first pad; and with stop strings only
+        the tokens before the first one begins (`stop_string_cut`)."""
         n = len(ids)
         for i, t in enumerate(ids):
             if t in self.stop_token_ids:
@@ -141,15 +140,22 @@ class ChatFormat:
             if t == pad_id:
                 n = i
                 break
-        if not self.stop_strings or n == 0:
-            return n
+        cut = self.stop_string_cut(ids[:n])
+        return n if cut is None else cut
+
+    def stop_string_cut(self, ids: list[int]) -> Optional[int]:
+        """The number of leading `ids` whose text ends before the first stop string begins
+        (a stop string is the start of the user's next turn, not part of the answer); None
+        when no stop string occurs."""
+        if not self.stop_strings or not ids:
+            return None
         decode = self.tokenizer.decode
-        text = decode(ids[:n])
+        text = decode(ids)
         found = [p for p in (text.find(s) for s in self.stop_strings) if p >= 0]
         if not found:
-            return n
+            return None
         start = min(found)
-        lo, hi = 0, n  # the most tokens whose text ends before the stop string starts
+        lo, hi = 0, len(ids)  # binary search: the most tokens whose text stays before `start`
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if len(decode(ids[:mid])) <= start:

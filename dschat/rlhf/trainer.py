@@ -33,25 +33,40 @@ class PPOConfig:
     top_p: float = 1.0
 
 
-def answer_mask(answers: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
-    """1 on answer tokens up to and including the first eos; 0 after it.
+def answer_mask(answers: torch.Tensor, eos_token_id, pad_token_id: int, chat=None) -> torch.Tensor:
+    """1 on answer tokens up to and including the first eos (an id or a sequence of stop
+    ids: eos and the chat template's end of turn); 0 after it; and with `chat`'s stop
+    strings 0 from where the first one begins (masked like padding).
 
     Reading the end from the first eos (not from `!= pad`) keeps the eos token in the
     answer for families whose pad token is their eos (llama, gpt2).
     """
-    is_eos = answers == eos_token_id
+    stop = torch.as_tensor(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id],
+                           device=answers.device)
+    is_eos = torch.isin(answers, stop)
     after_eos = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
-    return (~after_eos & (answers != pad_token_id) | is_eos & ~after_eos).long()
+    mask = (~after_eos & (answers != pad_token_id) | is_eos & ~after_eos).long()
+    if chat is not None and chat.stop_strings:
+        for row, ids in enumerate(answers.tolist()):
+            last = int(mask[row].nonzero().max()) + 1 if mask[row].any() else 0
+            cut = chat.stop_string_cut(ids[:last])
+            if cut is not None:
+                mask[row, cut:] = 0
+    return mask
 
 
 class PPOTrainer:
-    def __init__(self, engines: RLHFEngines, tokenizer, config: PPOConfig, scheduler=None):
+    def __init__(self, engines: RLHFEngines, tokenizer, config: PPOConfig, scheduler=None, chat=None):
         self.e = engines
         self.tokenizer = tokenizer
         self.cfg = config
         self.scheduler = scheduler
         self.pad = tokenizer.pad_token_id
         self.eos = tokenizer.eos_token_id
+        # how answers end (dschat.data.chat.ChatFormat): stop ids (eos, the template's end of
+        # turn) end generation, stop strings cut answers after it; None: eos only
+        self.chat = chat
+        self.stop_ids = list(chat.stop_token_ids) if chat is not None else self.eos
         # update_guard(name, loss, engine) -> bool, called on every rank before each
         # backward; False skips that backward and step (step 3 sets it to skip non-finite
         # losses identically on all ranks). None: always update.
@@ -74,14 +89,14 @@ class PPOTrainer:
                 prompts, prompt_mask, max_new_tokens=self.cfg.max_answer_seq_len,
                 min_new_tokens=self.cfg.min_answer_seq_len, do_sample=self.cfg.do_sample,
                 temperature=self.cfg.temperature, top_k=self.cfg.top_k, top_p=self.cfg.top_p,
-                eos_token_id=self.eos, pad_token_id=self.pad)
+                eos_token_id=self.stop_ids, pad_token_id=self.pad)
         timings["generate_s"] = time.time() - start
         P = prompts.shape[1]
         answers = seq[:, P:]
         if answers.shape[1] == 0:
             answers = seq.new_full((seq.shape[0], 1), self.pad)
             seq = torch.cat([seq, answers], dim=1)
-        action_mask = answer_mask(answers, self.eos, self.pad)
+        action_mask = answer_mask(answers, self.stop_ids, self.pad, self.chat)
         keep = action_mask.sum(1) > 1  # upstream: drop answers of <= 1 token
         all_ok = all_reduce_sum(torch.tensor([float(keep.any())], device=seq.device)).item() \
             == torch.distributed.get_world_size()

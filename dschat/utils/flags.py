@@ -31,7 +31,7 @@ def add_data_args(parser: argparse.ArgumentParser, *, default_data=(BUNDLED_DATA
     g.add_argument("--data_output_path", type=str, default="/tmp/data_files/",
                    help="Where tokenised datasets are cached (shared by the ranks of a node).")
     g.add_argument("--chat_template", type=str, default="auto", choices=("auto", "none"),
-                   help="auto: render DS-Chat's '\n\nHuman: ...\n\nAssistant: ...' rows (multi-turn "
+                   help="auto: render DS-Chat's 'Human: ... Assistant: ...' rows (multi-turn "
                         "too) with the tokenizer's chat template when it has one; answers then end "
                         "with the template's end-of-turn token, which step 1 trains, step 2 scores at "
                         "and step 3 stops at. none: DS-Chat's raw text, as upstream.")

@@ -25,6 +25,8 @@ import torch
 from tqdm import tqdm
 
 from dschat.data import DataCollatorRLHF, create_prompt_dataset, create_unsupervised_dataset
+from dschat.data.chat import ChatFormat
+from dschat.data.tokenize import end_of_conversation_text
 from dschat.engine.gather import get_scheduler
 from dschat.engine.distributed import all_reduce_mean, init_distributed, peak_memory_gib, rank
 from dschat.engine.train_utils import abandon_accumulation, make_loader, to_device
@@ -138,6 +140,11 @@ def parse_args(argv=None):
     g.add_argument("--enable_ema", action="store_true", help="Keep an EMA of the actor (saved as actor_ema/).")
     g.add_argument("--add_eot_token", action="store_true", help="Add --eot_token to the tokenizer.")
     g.add_argument("--eot_token", type=str, default="<|endoftext|>", help="End-of-turn token.")
+    g.add_argument("--stop_strings", nargs="*", default=None,
+                   help="Without a chat template: an answer ends before the first of these (default: "
+                        "'\\n\\nHuman:', the user's next turn in DS-Chat's text); the tokens from there on "
+                        "are masked like padding in experience, rewards and losses. Answers always "
+                        "end at eos and at the chat template's end-of-turn token."),
     g.add_argument("--align_overflow", action="store_true", help="Kept for DS-Chat compatibility (fp16 only).")
     g.add_argument("--print_answers", action="store_true", help="Print prompts and answers on rank 0.")
     g.add_argument("--print_answers_interval", type=int, default=1, help="Every this many steps.")
@@ -223,7 +230,11 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.actor_model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
     prompt_data, _ = create_prompt_dataset(args.local_rank, args.data_path, args.data_split,
-                                           args.data_output_path, 3, args.seed, tokenizer, args.max_prompt_seq_len)
+                                           args.data_output_path, 3, args.seed, tokenizer, args.max_prompt_seq_len,
+                                           chat_template=args.chat_template)
+    eot = end_of_conversation_text(tokenizer, args.eot_token if args.add_eot_token else None)
+    chat = ChatFormat(tokenizer, args.chat_template, eot, args.stop_strings)
+    print_rank_0(f"step 3: conversations as {chat.describe()}; generation stops at token ids {list(chat.stop_token_ids)}")
     prompt_loader = make_loader(prompt_data, args.per_device_generation_batch_size,
                                 DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id),
                                 shuffle=True, seed=args.seed, drop_last=True)
@@ -259,7 +270,7 @@ def main(argv=None):
                  f"critic dropout {args.critic_dropout}")
 
     engines = build_rlhf_engines(args, tokenizer, num_total_iters)
-    trainer = PPOTrainer(engines, tokenizer, ppo_config(args))
+    trainer = PPOTrainer(engines, tokenizer, ppo_config(args), chat=chat)
     run_config = resolved_config(args, actor_ds_config=engines.actor_ds_config,
                                  critic_ds_config=engines.critic_ds_config, world_size=world,
                                  prompts=len(prompt_data))
