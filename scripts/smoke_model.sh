@@ -5,8 +5,8 @@
 # 2 CPU ranks for a 135M model; what breaks here would break at the end of a long run.
 #   MODEL=/path/to/hf-model DATA=/path/to/pairs.jsonl bash scripts/smoke_model.sh
 # DATA: DS-Chat-format pairs (prompt/chosen/rejected, or HH chosen/rejected); default the
-# bundled demo data. OUTPUT (default output/smoke) is replaced. Extra arguments go to all
-# three steps (e.g. --dtype bf16 on GPUs).
+# bundled demo data. OUTPUT (default output/smoke) is replaced; step 3's answers are in
+# OUTPUT/step3/generations.jsonl. Extra arguments go to all three steps (e.g. --chat_template none).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 MODEL=${MODEL:?set MODEL to a model folder (or hub name)}
@@ -25,7 +25,7 @@ launch training/step3_rlhf_finetuning/main.py --actor_model_name_or_path "$OUTPU
   --critic_model_name_or_path "$OUTPUT/step2" "${COMMON[@]}" --actor_zero_stage 3 --critic_zero_stage 3 \
   --enable_hybrid_engine --enable_ema --per_device_generation_batch_size 2 --per_device_training_batch_size 2 \
   --max_prompt_seq_len 96 --max_answer_seq_len 32 --max_steps "$STEPS" --num_warmup_steps 0 \
-  --save_interval 1 --output_dir "$OUTPUT/step3" "$@"
+  --save_interval 1 --dump_generations "$OUTPUT/step3/generations.jsonl" --output_dir "$OUTPUT/step3" "$@"
 (cd "$ROOT" && python3 inference/prompt_eval.py --baseline "$OUTPUT/step1" --finetune "$OUTPUT/step3/actor" \
   --reward_model "$OUTPUT/step2" --data_path "$DATA" --data_split 4,4,2 --num_prompts 4 --max_new_tokens 32)
 python3 - "$OUTPUT/step3/actor_ema" <<'EOF'
