@@ -174,6 +174,23 @@ def step2_problems(args) -> list[str]:
     return out
 
 
+def step2_dpo_problems(args) -> list[str]:
+    """Every flag problem of step 2 DPO: those of steps 1-2 and the DPO flags."""
+    out = sft_problems(args)
+    if not args.beta > 0:
+        out.append(f"--beta must be > 0, got {args.beta}")
+    if not 0 <= args.label_smoothing < 0.5:
+        out.append(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
+    if args.label_smoothing and args.loss_type != "sigmoid":
+        out.append(f"--label_smoothing applies to --loss_type sigmoid only, not {args.loss_type}")
+    if args.rpo_alpha is not None and args.rpo_alpha < 0:
+        out.append(f"--rpo_alpha must be >= 0, got {args.rpo_alpha}")
+    if args.offload_reference_model and frozen_stage(args.reference_zero_stage, args.zero_stage) != 3:
+        out.append("--offload_reference_model needs the reference model at ZeRO-3: --zero_stage 3 "
+                   "(it follows the policy) or --reference_zero_stage 3")
+    return out
+
+
 def step3_problems(args) -> list[str]:
     """Every flag problem of step 3."""
     from dschat.models.reward_model import is_reward_checkpoint
@@ -258,6 +275,10 @@ def validate_step1(args) -> None:
 
 def validate_step2(args) -> None:
     raise_problems(step2_problems(args))
+
+
+def validate_step2_dpo(args) -> None:
+    raise_problems(step2_dpo_problems(args))
 
 
 def _inference_tp(args, world: int) -> list[str]:

@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""Step 2 DPO: Direct Preference Optimization of a causal LM on chosen/rejected pairs,
+against a frozen reference copy of the starting model (upstream DS-Chat's
+training/step2_dpo_finetuning; instead of step 2's reward model + step 3's PPO).
+
+    deepspeed training/step2_dpo_finetuning/main.py \\
+        --model_name_or_path output/step1 --dtype fp32 --zero_stage 3 \\
+        --beta 0.1 --output_dir output/step2_dpo
+
+The data flags are those of steps 1-2 (phase-2 pairs of --data_path under --data_split).
+Log-probs are summed over the answer tokens (the prompt masked; an answer is taken to start
+where the chosen and rejected sequences first differ, as upstream: see dschat/rlhf/dpo.py).
+The aligned model is written at the root of --output_dir as a plain HF causal-LM folder
+(LoRA merged), with metrics.jsonl and training_config.json beside it; eval metrics: loss,
+implicit-reward accuracy (chosen above rejected), reward margin, chosen/rejected log-probs
+and rewards, and the per-token KL to the reference. `--save_interval N` writes resumable
+checkpoints under --output_dir/checkpoints/; `--resume` continues from the newest complete one.
+"""
+import argparse
+import json
+import time
+
+import torch
+from tqdm import tqdm
+
+from dschat.data import DataCollatorReward, create_prompt_dataset
+from dschat.engine.config import train_ds_config
+from dschat.engine.distributed import init_distributed, rank
+from dschat.engine.train_utils import log_train_step, make_loader, micro_batch_groups
+from dschat.models.model_utils import load_tokenizer, save_hf_format
+from dschat.rlhf.dpo import LOSS_TYPES, summarize
+from dschat.rlhf.dpo_trainer import DPOConfig, build_dpo_engines, evaluate, train_step
+from dschat.utils import flags
+from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
+from dschat.utils.logging import print_rank_0
+from dschat.utils.metrics import metrics_logger_for
+from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
+from dschat.utils.validate import validate_step2_dpo
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags.add_data_args(parser)
+    flags.add_model_train_args(parser, learning_rate=1e-3)  # upstream's DPO default
+    flags.add_lora_args(parser)
+    flags.add_logging_args(parser)
+    flags.add_checkpoint_args(parser)
+    g = parser.add_argument_group("DPO")
+    g.add_argument("--beta", type=float, default=0.1,
+                   help="Temperature of the DPO loss (upstream default 0.1; typically 0.1-0.5): the "
+                        "implicit reward is beta * (log pi - log ref); as beta -> 0 the reference is ignored.")
+    g.add_argument("--label_smoothing", type=float, default=0.0,
+                   help="Conservative DPO (sigmoid loss only): the probability that a preference label is "
+                        "flipped; in [0, 0.5).")
+    g.add_argument("--loss_type", type=str, default="sigmoid", choices=LOSS_TYPES,
+                   help="sigmoid: -log sigma(beta h) with label smoothing (upstream DS-Chat); ipo: "
+                        "(h - 1/(2 beta))^2; hinge: relu(1 - beta h); h is the log-ratio margin "
+                        "(log pi_c - log ref_c) - (log pi_r - log ref_r) of summed answer log-probs.")
+    g.add_argument("--rpo_alpha", type=float, default=None,
+                   help="Add this weight x the NLL of the chosen answers (mean per answer token over the "
+                        "global batch) to the loss, as TRL's rpo_alpha (default: none).")
+    g.add_argument("--reference_zero_stage", type=int, default=None, choices=(0, 3),
+                   help="ZeRO stage of the frozen reference model. Default: 3 when --zero_stage is 3, "
+                        "else 0 (upstream's rule). 0 keeps a whole copy on every GPU.")
+    g.add_argument("--offload_reference_model", action="store_true",
+                   help="Keep the reference model's ZeRO-3 parameters in CPU memory.")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    validate_step2_dpo(args)
+    device = init_distributed(args.local_rank)
+    world = torch.distributed.get_world_size()
+    set_seed(args.seed)
+    cfg = DPOConfig.from_args(args)
+
+    tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
+                               eot_token=args.eot_token)
+    train_data, eval_data = create_prompt_dataset(
+        args.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed,
+        tokenizer, args.max_seq_len, end_of_conversation_token=args.eot_token if args.add_eot_token else None,
+        chat_template=args.chat_template)
+    collator = DataCollatorReward()
+    train_loader = make_loader(train_data, args.per_device_train_batch_size, collator, shuffle=True, seed=args.seed)
+    eval_loader = make_loader(eval_data, args.per_device_eval_batch_size, collator, shuffle=False, seed=args.seed)
+    steps_per_epoch = -(-len(train_loader) // args.gradient_accumulation_steps)
+    total_steps = steps_per_epoch * args.num_train_epochs
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+
+    ds_config = train_ds_config(
+        zero_stage=args.zero_stage, dtype=args.dtype, micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, offload=args.offload)
+    policy, ref = build_dpo_engines(args, tokenizer, ds_config, total_steps)
+    run_config = resolved_config(args, ds_config=ds_config, world_size=world,
+                                 train_pairs=len(train_data), eval_pairs=len(eval_data))
+    print_rank_0("resolved configuration:\n" + json.dumps(run_config, indent=1, sort_keys=True, default=str))
+
+    ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last, engines={"model": policy})
+    guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
+    resumed = ckpt.resume_or_start(args.resume, run_config, guard)
+    step, start_epoch, batches_done = resumed.position if resumed else (0, 0, 0)
+    metrics = metrics_logger_for(args, run_config)
+
+    def run_eval(step):
+        result = evaluate(policy, ref, eval_loader, cfg, device, args.eval_iters)
+        print_rank_0(f"step {step}: eval loss {result['loss']:.4f}, reward accuracy {result['acc']:.4f}, "
+                     f"margin {result['margin']:.4f}, KL to reference {result.get('kl_ref', 0.0):.5f}")
+        metrics.log(step, {f"eval/{k}": v for k, v in result.items()})
+        return result
+
+    def save():
+        return ckpt.save(step, {"epoch": epoch, "batches_in_epoch": batches_done,
+                                "nonfinite": guard.state(), "config": run_config})
+
+    result = run_eval(0) if resumed is None else None
+    progress = tqdm(total=total_steps, initial=step, desc="step 2 (DPO)", disable=rank() != 0)
+    epoch = start_epoch
+    for epoch in range(start_epoch, args.num_train_epochs):
+        if step >= total_steps:
+            break
+        train_loader.sampler.set_epoch(epoch)
+        batches_done = batches_done if epoch == start_epoch else 0
+        groups = micro_batch_groups(skip_batches(train_loader, batches_done), args.gradient_accumulation_steps)
+        ckpt.restore_rng(resumed)  # once, where the interrupted run stood
+        for group in groups:
+            if step >= total_steps:
+                break
+            start = time.time()
+            loss, stats = train_step(policy, ref, group, cfg, device, world, guard, step + 1)
+            step += 1
+            batches_done += len(group)
+            progress.update(1)
+            log_train_step(metrics, progress, policy, step=step, epoch=epoch, seconds=time.time() - start,
+                           device=device, loss=loss, skipped=guard.skipped, print_loss=args.print_loss)
+            if stats is not None:
+                train = summarize(stats, cfg.rpo_alpha)
+                metrics.log(step, {f"train/{k}": train[k] for k in ("acc", "margin", "chosen_logps",
+                                                                    "rejected_logps")})
+            if args.eval_interval and step % args.eval_interval == 0:
+                result = run_eval(step)
+            fault_point("step", step)
+            if ckpt.due(step):
+                save()
+            guard.check_halt(step, save)
+        result = run_eval(step)
+    progress.close()
+    if result is None:  # resumed after the last step: nothing was left to train
+        result = run_eval(step)
+
+    ckpt.save_final(lambda: save_hf_format(policy, tokenizer, args.output_dir, rank=rank()), save,
+                    args.output_dir)
+    if rank() == 0:
+        run_config["final_eval"] = result
+        save_json(run_config, f"{args.output_dir}/training_config.json")
+    metrics.close()
+    print_rank_0(f"saved the DPO model to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main_guard(main)
