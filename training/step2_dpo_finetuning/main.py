@@ -38,7 +38,7 @@ from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
 from dschat.utils.validate import validate_step2_dpo
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_data_args(parser)
     flags.add_model_train_args(parser, learning_rate=1e-3)  # upstream's DPO default
@@ -64,7 +64,11 @@ def parse_args(argv=None):
                         "else 0 (upstream's rule). 0 keeps a whole copy on every GPU.")
     g.add_argument("--offload_reference_model", action="store_true",
                    help="Keep the reference model's ZeRO-3 parameters in CPU memory.")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None):
