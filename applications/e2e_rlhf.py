@@ -47,6 +47,12 @@ STEP_MAIN = {1: "training/step1_supervised_finetuning/main.py",
              2: "training/step2_reward_model_finetuning/main.py",
              3: "training/step3_rlhf_finetuning/main.py"}
 STEP_NAME = {1: "SFT", 2: "reward model", 3: "PPO"}
+DPO_MAIN = "training/step2_dpo_finetuning/main.py"
+# --align dpo without a "step2_dpo" section in the preset row: the policy is the actor, sized
+# as in its step-1 section, with upstream's DPO script settings (opt-350m: lr 5e-5, wd 0.1)
+DPO_FROM_STEP1 = ("max_seq_len", "per_device_train_batch_size", "per_device_eval_batch_size",
+                  "gradient_checkpointing", "offload", "lora_dim", "lora_module_name", "only_optimize_lora")
+DPO_DEFAULTS = {"learning_rate": 5e-5, "weight_decay": 0.1, "dropout": 0.0}
 
 sys.path.insert(0, str(REPO))  # inference.common when run as a script from anywhere
 
@@ -267,6 +273,19 @@ def step_memory_gb(step: int, flags: dict, actor: dict, critic: dict, gpus: int)
     return parts
 
 
+def dpo_memory_gb(flags: dict, actor: dict, gpus: int) -> dict:
+    """Per-GPU GB of model states of step 2 DPO: the policy trained like step 1 plus the
+    frozen reference (ZeRO-3 when the policy is, else whole; offloaded if asked)."""
+    stage, size = int(flags["zero_stage"]), actor.get("params_billion", 0.0)
+    lora = lora_params(actor, flags.get("lora_dim", 0)) if flags.get("only_optimize_lora") else 0.0
+    ref_stage = int(flags.get("reference_zero_stage", 3 if stage == 3 else 0))
+    parts = {"policy": model_state_gb(size, stage, gpus, offload=bool(flags.get("offload")), lora_params_b=lora),
+             "reference": model_state_gb(size, ref_stage, gpus, trained=False,
+                                         offload=bool(flags.get("offload_reference_model")))}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
 # ----------------------------------------------------------------------------- plan
 @dataclass
 class Step:
@@ -275,10 +294,11 @@ class Step:
     argv: list[str]                       # main.py and its flags
     done_files: list[str]
     flags: dict = field(default_factory=dict)
+    title: str = ""                       # STEP_NAME's unless set ("DPO")
 
     @property
     def name(self) -> str:
-        return f"step {self.number} ({STEP_NAME[self.number]})"
+        return f"step {self.number} ({self.title or STEP_NAME[self.number]})"
 
     def complete(self) -> bool:
         return all((self.out / f).exists() for f in self.done_files)
@@ -376,7 +396,27 @@ def build_plan(args, actor: ModelChoice, reward: ModelChoice | None, deployment:
                                 (2, s2, ["model.safetensors", "reward_model.json"]),
                                 (3, s3, ["actor/model.safetensors", "critic/reward_model.json"])):
         steps.append(Step(number, Path(flags["output_dir"]), [STEP_MAIN[number], *to_argv(flags)], done, flags))
+    if getattr(args, "align", "ppo") == "dpo":
+        steps = [steps[0], dpo_step(args, arow, common, s1)]
     return steps
+
+
+def dpo_step(args, arow: dict, common: dict, s1: dict) -> Step:
+    """--align dpo: step 2 is DPO of the step-1 model against a frozen copy of it (upstream's
+    training/step2_dpo_finetuning), replacing the reward model and PPO. Flags, lowest first:
+    the actor row's step-1 sizes and DPO_DEFAULTS, or the row's "step2_dpo" section when it
+    has one; --actor-zero-stage; --step2-args."""
+    out = Path(args.output_dir)
+    section = arow.get("step2_dpo")
+    if section is None:
+        section = {**{k: v for k, v in arow.get("step1", {}).items() if k in DPO_FROM_STEP1}, **DPO_DEFAULTS}
+    flags = {"model_name_or_path": str(out / "step1"), "output_dir": str(out / "step2_dpo"), **common,
+             "zero_stage": s1["zero_stage"], **section}
+    flags.update(parse_extra(args.step2_args))
+    if flags.get("offload") and int(flags["zero_stage"]) == 0:
+        flags["offload"] = False
+    return Step(2, Path(flags["output_dir"]), [DPO_MAIN, *to_argv(flags)], ["model.safetensors", "config.json"],
+                flags, title="DPO")
 
 
 def launcher_argv(args, deployment: str, num_gpus: int) -> list[str]:
@@ -605,6 +645,28 @@ def overview_plot(steps: list[Step], heldout_file: str | None, out_path: Path) -
     return str(out_path)
 
 
+def build_dpo_report(args, steps, actor, deployment, timings) -> dict:
+    """The report of --align dpo: SFT perplexity and DPO's eval metrics before/after (no
+    reward model, so no held-out reward of generated answers)."""
+    s1, s2 = (s.out / "metrics.jsonl" for s in steps)
+    return {
+        "align": "dpo",
+        "actor_model": {"spec": actor.spec, "path": actor.path, "note": actor.note},
+        "reward_model": {"spec": "none", "path": "-", "note": "--align dpo: the step-1 model is its own reference"},
+        "deployment": deployment,
+        "output_dir": str(Path(args.output_dir).resolve()),
+        "seconds": timings,
+        "sft_eval_perplexity": first_last(metric_series(s1, "eval/ppl")),
+        "dpo_eval": {k: first_last(metric_series(s2, f"eval/{k}"))
+                     for k in ("acc", "margin", "loss", "chosen_logps", "rejected_logps", "kl_ref")},
+        "heldout_reward": {},
+        "models": {"step1_sft": str(steps[0].out), "step2_dpo": str(steps[1].out)},
+        "plots": make_plots(steps),
+        "overview_plot": None,
+        "logs": str(Path(args.output_dir) / "logs"),
+    }
+
+
 def build_report(args, steps, actor, reward, deployment, timings, heldout) -> dict:
     s1, s2, s3 = (s.out / "metrics.jsonl" for s in steps)
     ppo_reward = metric_series(s3, "ppo/reward_mean")
@@ -647,8 +709,8 @@ def cell(text: str) -> str:
 
 
 def report_markdown(r: dict) -> str:
-    ppl, acc, ho, ppo = (r["sft_eval_perplexity"], r["reward_model_eval_accuracy"], r["heldout_reward"],
-                         r["ppo_training_reward"])
+    ppl, acc, ho, ppo = (r["sft_eval_perplexity"], r.get("reward_model_eval_accuracy"), r["heldout_reward"],
+                         r.get("ppo_training_reward"))
     lines = [f"# dschat end-to-end report: {r['actor_model']['spec']}",
              "",
              f"actor: {r['actor_model']['path']} ({r['actor_model']['note']})  ",
@@ -658,9 +720,16 @@ def report_markdown(r: dict) -> str:
              "",
              "| measure | before | after |", "|---|---|---|",
              f"| SFT eval perplexity (step 1, {ppl.get('steps', 0)} steps) | {fmt(ppl.get('before'), '.2f')} "
-             f"| {fmt(ppl.get('after'), '.2f')} |",
-             f"| reward-model eval accuracy (step 2, {acc.get('steps', 0)} steps) | {fmt(acc.get('before'))} "
-             f"| {fmt(acc.get('after'))} |"]
+             f"| {fmt(ppl.get('after'), '.2f')} |"]
+    if acc is not None:
+        lines.append(f"| reward-model eval accuracy (step 2, {acc.get('steps', 0)} steps) | {fmt(acc.get('before'))} "
+                     f"| {fmt(acc.get('after'))} |")
+    for key, label in (("acc", "implicit-reward accuracy (chosen above rejected)"), ("margin", "reward margin"),
+                       ("kl_ref", "per-token KL to the reference")):
+        row = r.get("dpo_eval", {}).get(key)
+        if row:
+            lines.append(f"| DPO eval {label} (step 2 DPO, {row.get('steps', 0)} steps) | {fmt(row.get('before'))} "
+                         f"| {fmt(row.get('after'))} |")
     if ho:
         lines.append(f"| held-out reward of greedy answers, {ho['num_prompts']} prompts ({', '.join(ho['sources'])}): "
                      f"step-1 model vs PPO actor | {fmt(ho.get('baseline_reward_mean'))} "
@@ -682,7 +751,9 @@ def report_markdown(r: dict) -> str:
         lines += ["", "The reward is what the step-2 model prefers, not correctness: a small reward model has blind "
                       "spots PPO will find (reward hacking). Read the answers, not only the mean."]
     lines += ["", "Models:"] + [f"- {k}: {v}" for k, v in r["models"].items()]
-    lines += ["", f"Overview plot: {r['overview_plot']}", "", "Plots (python -m dschat.plot):"]
+    if r["overview_plot"]:
+        lines += ["", f"Overview plot: {r['overview_plot']}"]
+    lines += ["", "Plots (python -m dschat.plot):"]
     for folder, pngs in r["plots"].items():
         lines.append(f"- {folder}: " + ", ".join(Path(p).name for p in pngs) + f" (in {Path(pngs[0]).parent})"
                      if pngs else f"- {folder}: none")
@@ -729,6 +800,10 @@ def parse_args(argv=None):
     g.add_argument("--output-dir", default=None,
                    help="Where step1/ step2/ step3/ logs/ and the report go (default: output/e2e/<actor>).")
     g.add_argument("--step", type=int, nargs="+", choices=(1, 2, 3), default=[1, 2, 3], help="Steps to run.")
+    g.add_argument("--align", choices=("ppo", "dpo"), default="ppo",
+                   help="ppo: step 2 reward model + step 3 PPO (DS-Chat's RLHF); dpo: step 1 -> step 2 DPO "
+                        "(training/step2_dpo_finetuning, output OUTPUT_DIR/step2_dpo; --step2-args go to it), "
+                        "no reward model and no PPO.")
     g.add_argument("--force", action="store_true", help="Rerun the selected steps even when complete.")
     g.add_argument("--data-path", nargs="+", default=None, help="Data for all steps (default: the preset's).")
     g.add_argument("--data-split", default=None, help="Default: the preset's (demo 6,3,1; upstream 2,4,4).")
@@ -783,7 +858,9 @@ def memory_report(steps, actor: ModelChoice, reward: ModelChoice | None, gpus: i
     a, c = sized(actor), sized(reward or actor)
     lines = []
     for step in steps:
-        parts = step_memory_gb(step.number, step.flags, a, c, gpus)
+        # DPO: the trained policy (the actor) and its frozen reference
+        parts = (dpo_memory_gb(step.flags, a, gpus) if step.title == "DPO"
+                 else step_memory_gb(step.number, step.flags, a, c, gpus))
         detail = ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if k != "total")
         verdict = "ok" if parts["total"] <= GPU_BUDGET * gpu_gb else f"OVER the {GPU_BUDGET:.0%} budget"
         lines.append(f"  {step.name}: {parts['total']:.1f} GB per GPU of {gpu_gb:.0f} over {gpus} GPUs"
@@ -793,7 +870,10 @@ def memory_report(steps, actor: ModelChoice, reward: ModelChoice | None, gpus: i
 
 def print_plan(steps, actor, reward, deployment, row, launcher, gpus) -> None:
     print(f"actor: {actor.path}  [{actor.note}]")
-    print(f"reward model: {reward.path + '  [' + reward.note + ']' if reward else 'the step-1 output (step1)'}")
+    if any(step.title == "DPO" for step in steps):
+        print("reward model: none (--align dpo: step 2 is DPO against a frozen copy of the step-1 model)")
+    else:
+        print(f"reward model: {reward.path + '  [' + reward.note + ']' if reward else 'the step-1 output (step1)'}")
     print(f"deployment: {deployment}, {gpus} {'CPU ranks' if deployment == 'cpu' else 'GPUs'}: {row.get('rule', '')}")
     if deployment != "cpu":
         print("estimated model states (rule of thumb, see configs/presets/README.md):")
@@ -818,7 +898,7 @@ def main(argv=None):
     out = Path(args.output_dir)
     actor = resolve_model(args.actor_model, "actor", args.actor_preset, args.random_init, out)
     reward_spec = args.reward_model or actor.preset.get("reward_model", "step1")
-    reward = None if reward_spec == "step1" else resolve_model(reward_spec, "reward", args.reward_preset,
+    reward = None if reward_spec == "step1" or args.align == "dpo" else resolve_model(reward_spec, "reward", args.reward_preset,
                                                                args.random_init, out)
     steps = build_plan(args, actor, reward, deployment)
     row = deployment_row(actor.preset, deployment, args.low_memory)
@@ -875,6 +955,14 @@ def main(argv=None):
             print(f"\nno report: {', '.join(missing)} not complete yet", flush=True)
         return 0
     heldout = {}
+    if args.align == "dpo":
+        report = build_dpo_report(args, steps, actor, deployment, timings)
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        md = report_markdown(report)
+        (out / "report.md").write_text(md)
+        print("\n" + md)
+        print(f"report saved to {out / 'report.md'} and {out / 'report.json'}", flush=True)
+        return 0
     if args.eval_prompts > 0:
         start = time.time()
         heldout = heldout_eval(args, steps, env)

@@ -276,3 +276,55 @@ def test_saved_model_reloads_with_plain_from_pretrained(runs):
     chosen, _ = split_pairs(sequence_logps(logits, batch["input_ids"], mask)[0])
     final = json.loads((z3 / "training_config.json").read_text())["final_eval"]
     assert chosen.mean().item() == pytest.approx(final["chosen_logps"], abs=1e-3)
+
+
+# ------------------------------------------------------------------ e2e_rlhf.py --align dpo
+E2E = REPO / "applications" / "e2e_rlhf.py"
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    import sys
+    name = "dschat_e2e_rlhf"
+    if name not in sys.modules:  # registered: its dataclasses need that
+        spec = importlib.util.spec_from_file_location(name, E2E)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def test_e2e_align_dpo_plans_step1_then_dpo_for_every_preset(e2e, tmp_path):
+    parse = main_module().parse_args
+    for path in sorted((REPO / "configs" / "presets").glob("*.json")):
+        for deployment in e2e.load_preset(path.stem)["deployments"]:
+            args = e2e.parse_args(["--actor-model", path.stem, "--deployment-type", deployment,
+                                   "--output-dir", str(tmp_path), "--align", "dpo", "--step2-args=--beta 0.2"])
+            actor = e2e.resolve_model(args.actor_model, "actor", None, False, tmp_path)
+            steps = e2e.build_plan(args, actor, None, deployment)
+            assert [s.name for s in steps] == ["step 1 (SFT)", "step 2 (DPO)"]
+            dpo = parse(steps[1].argv[1:])  # argparse exits on a flag the DPO step does not know
+            assert dpo.model_name_or_path == str(tmp_path / "step1") and dpo.beta == 0.2
+            assert dpo.zero_stage == int(steps[0].flags["zero_stage"])
+            assert e2e.dpo_memory_gb(steps[1].flags, actor.preset, 8)["total"] > 0
+
+
+def test_e2e_align_dpo_report_has_the_dpo_rows(e2e, tmp_path):
+    """Both outputs present: nothing is launched, the report reads their metrics."""
+    out = tmp_path / "run"
+    metrics = {"step1": [{"step": 0, "eval/ppl": 900.0}, {"step": 10, "eval/ppl": 3.5}],
+               "step2_dpo": [{"step": 0, "eval/acc": 0.0, "eval/margin": 0.0, "eval/kl_ref": 0.0},
+                             {"step": 8, "eval/acc": 0.95, "eval/margin": 1.5, "eval/kl_ref": 0.1,
+                              "train/loss": 0.3}]}
+    for folder, records in metrics.items():
+        (out / folder).mkdir(parents=True)
+        for f in ("model.safetensors", "config.json"):
+            (out / folder / f).write_text("{}")
+        with open(out / folder / "metrics.jsonl", "w") as f:
+            for r in records:
+                f.write(json.dumps({"time": 0, **r}) + "\n")
+    assert e2e.main(["--output-dir", str(out), "--align", "dpo"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["dpo_eval"]["acc"] == {"before": 0.0, "after": 0.95, "steps": 8}
+    md = (out / "report.md").read_text()
+    assert "| DPO eval implicit-reward accuracy (chosen above rejected) (step 2 DPO, 8 steps) | 0.000 | 0.950 |" in md
+    assert "| SFT eval perplexity" in md and "reward-model eval accuracy" not in md
