@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(log pi_c - log ref_c) - (log pi_r - log ref_r) of summed answer log-probs.")
     g.add_argument("--rpo_alpha", type=float, default=None,
                    help="Add this weight x the NLL of the chosen answers (mean per answer token over the "
-                        "global batch) to the loss, as TRL's rpo_alpha (default: none).")
+                        "global batch) to the loss, as TRL's rpo_alpha (default: none). An answer's tokens "
+                        "are counted from where it first differs from the rejected one (dschat/rlhf/dpo.py).")
     g.add_argument("--reference_zero_stage", type=int, default=None, choices=(0, 3),
                    help="ZeRO stage of the frozen reference model. Default: 3 when --zero_stage is 3, "
                         "else 0 (upstream's rule). 0 keeps a whole copy on every GPU.")
