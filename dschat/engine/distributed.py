@@ -81,19 +81,31 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def _reduce_device(value: torch.Tensor) -> torch.device:
+    """Where `value` can be reduced: NCCL takes CUDA tensors only, so a CPU value (a count
+    made on the host) goes through this rank's GPU and comes back."""
+    if value.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return value.device
+
+
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
-    """Mean over ranks (a new tensor; the input is left unchanged)."""
+    """Mean over ranks (a new tensor on the input's device; the input is left unchanged)."""
     out = value.detach().clone().float()
     if torch.distributed.is_initialized():
+        out = out.to(_reduce_device(out))
         torch.distributed.all_reduce(out)
-        out /= torch.distributed.get_world_size()
+        out = (out / torch.distributed.get_world_size()).to(value.device)
     return out
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a new tensor on the input's device; the input is left unchanged)."""
     out = value.detach().clone()
     if torch.distributed.is_initialized():
+        out = out.to(_reduce_device(out))
         torch.distributed.all_reduce(out)
+        out = out.to(value.device)
     return out
 
 

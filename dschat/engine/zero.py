@@ -19,6 +19,23 @@ def gathered(params: Iterable[torch.Tensor], modifier_rank=None, enabled: bool =
                                              enabled=enabled and bool(params))
 
 
+def match_partitioned_dtype(model: nn.Module) -> None:
+    """Parameters added to a model loaded partitioned under ZeRO-3 (LoRA adapters, a reward
+    model's value head) in the dtype of the partitioned ones.
+
+    zero.Init casts the loaded weights to the run's bf16/fp16 as it partitions them; what is
+    created afterwards is fp32, and DeepSpeed's ZeRO-3 optimizer needs one dtype across its
+    parameters (an assert in `defragment` at `deepspeed.initialize`).
+    """
+    dtypes = {p.dtype for p in model.parameters() if is_zero3_param(p)}
+    if len(dtypes) != 1:
+        return
+    dtype = dtypes.pop()
+    for p in model.parameters():
+        if not is_zero3_param(p) and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
 def engine_and_module(model) -> tuple[object | None, nn.Module]:
     """(DeepSpeed engine or None, the module) of a DeepSpeed engine or a plain module."""
     from deepspeed import DeepSpeedEngine

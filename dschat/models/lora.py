@@ -12,6 +12,7 @@ import re
 import torch
 import torch.nn as nn
 
+from dschat.engine.zero import match_partitioned_dtype
 from dschat.registry import family_of, is_linear
 from dschat.utils.errors import UserInputError
 
@@ -51,25 +52,9 @@ def apply_lora(model: nn.Module, lora_dim: int, lora_module_name: str | None = N
         # backward through hooks on such inputs, so without this the first block's
         # backward ran on released (empty) weights.
         peft_model.enable_input_require_grads()
-    _lora_to_partitioned_dtype(peft_model)
+    # the adapters are added after zero.Init cast the loaded weights to the run's dtype
+    match_partitioned_dtype(peft_model)
     return peft_model
-
-
-def _lora_to_partitioned_dtype(model: nn.Module) -> None:
-    """LoRA weights in the dtype of a model loaded partitioned under ZeRO-3.
-
-    zero.Init casts the loaded weights to the run's bf16/fp16 as it partitions them; the
-    adapters added afterwards are fp32, and DeepSpeed's ZeRO-3 optimizer needs one dtype
-    across its parameters (an assert in `defragment` at `deepspeed.initialize`).
-    """
-    from dschat.engine.zero import is_zero3_param
-    dtypes = {p.dtype for p in model.parameters() if is_zero3_param(p)}
-    if len(dtypes) != 1:
-        return
-    dtype = dtypes.pop()
-    for p in model.parameters():
-        if not is_zero3_param(p) and p.dtype != dtype:
-            p.data = p.data.to(dtype)
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:

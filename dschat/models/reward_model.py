@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import AutoModel
 
+from dschat.engine.zero import match_partitioned_dtype
 from dschat.models.model_utils import (create_hf_model, has_weights, load_config, save_tokenizer_and_config)
 from dschat.registry import family_of
 from dschat.utils.checkpoint import fault_point
@@ -128,6 +129,7 @@ def create_reward_model(model_name_or_path: str, tokenizer, *, ds_config: dict |
     npb = fam.num_padding_at_beginning if num_padding_at_beginning is None else num_padding_at_beginning
     torch.manual_seed(seed)
     model = RewardModel(backbone, pad_token_id=tokenizer.pad_token_id, num_padding_at_beginning=npb)
+    match_partitioned_dtype(model)  # the value head is made after zero.Init cast the backbone
     return model
 
 
