@@ -128,7 +128,7 @@ def main():
                                    if hasattr(p, "ds_id") and not p.ds_persist)
     res["t_load"] = timer()
 
-    train, held_out = batches(tokenizer, rank, 2), batches(tokenizer, rank, 2, seed=99)
+    train, held_out = batches(tokenizer, rank, 1), batches(tokenizer, rank, 1, seed=99)
     res["eval_before"] = evaluate_lm(engine, held_out, torch.device("cpu"), 10)["loss"]
     for batch in train:
         engine.train()
@@ -157,8 +157,9 @@ def main():
 
     # step 3's generation on the trained shards: hybrid replica, ZeRO hooks, plain HF on the reload
     ids, mask = prompts(tokenizer, rank)
-    common = dict(max_prompt_len=32, max_new_tokens=8)
-    kw = dict(max_new_tokens=8, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    # 4 tokens: the ZeRO hooks gather every weight (bloom-560m's 1 GB embedding) per token
+    common = dict(max_prompt_len=32, max_new_tokens=4)
+    kw = dict(max_new_tokens=4, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     engine.eval()
     hybrid = HybridActor(engine, enable_hybrid_engine=True, mode="full", **common).generate(ids, mask, **kw)
     hooks = HybridActor(engine, enable_hybrid_engine=False, **common).generate(ids, mask, **kw)
