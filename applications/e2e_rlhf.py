@@ -954,20 +954,15 @@ def main(argv=None):
         if missing and not args.no_report:
             print(f"\nno report: {', '.join(missing)} not complete yet", flush=True)
         return 0
-    heldout = {}
     if args.align == "dpo":
         report = build_dpo_report(args, steps, actor, deployment, timings)
-        (out / "report.json").write_text(json.dumps(report, indent=2))
-        md = report_markdown(report)
-        (out / "report.md").write_text(md)
-        print("\n" + md)
-        print(f"report saved to {out / 'report.md'} and {out / 'report.json'}", flush=True)
-        return 0
-    if args.eval_prompts > 0:
-        start = time.time()
-        heldout = heldout_eval(args, steps, env)
-        timings["eval"] = time.time() - start
-    report = build_report(args, steps, actor, reward, deployment, timings, heldout)
+    else:
+        heldout = {}
+        if args.eval_prompts > 0:
+            start = time.time()
+            heldout = heldout_eval(args, steps, env)
+            timings["eval"] = time.time() - start
+        report = build_report(args, steps, actor, reward, deployment, timings, heldout)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     md = report_markdown(report)
     (out / "report.md").write_text(md)

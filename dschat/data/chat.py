@@ -117,16 +117,15 @@ class ChatFormat:
         """Prompt + answer, ended by the end-of-turn marker (raw text: + `end_of_conversation`)."""
         if not self.uses_template:
             return prompt + answer + end_of_conversation
-        messages = to_messages(prompt) + [{"role": "assistant", "content": answer.strip()}]
-        full = self._render(messages, False)
-        head = self.prompt(prompt)
+        messages = to_messages(prompt)
+        head = self._render(messages, True)
+        full = self._render(messages + [{"role": "assistant", "content": answer.strip()}], False)
         if not full.startswith(head):
             raise UserInputError("--chat_template auto: the tokenizer's template renders a prompt that is "
                                  "not the start of the same conversation with its answer; pass "
                                  "--chat_template none")
         cut = full.rfind(self.turn_end) if self.turn_end else -1
         return full[:cut + len(self.turn_end)] if cut >= len(head) else full.rstrip()
-
 
     def answer_length(self, ids: list[int], pad_id: Optional[int]) -> int:
         """How many of a generated answer's `ids` belong to it: up to and including the first

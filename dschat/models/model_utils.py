@@ -157,6 +157,28 @@ def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | Non
     return model
 
 
+def build_lm_engine(args, tokenizer, ds_config: dict, num_update_steps: int):
+    """The DeepSpeed engine of a trained causal LM from step 1's flags (--model_name_or_path,
+    --dropout, LoRA, --gradient_checkpointing, optimizer and LR schedule): step 1's model and
+    the DPO policy."""
+    from dschat.engine.optim import build_lr_scheduler, build_optimizer
+    from dschat.engine.zero import initialize_engine
+    from dschat.models.lora import apply_lora
+
+    model = create_hf_model(args.model_name_or_path, tokenizer, ds_config=ds_config,
+                            dropout=args.dropout, seed=args.seed)
+    model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    optimizer = build_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                lora_lr=args.lora_learning_rate, offload=args.offload)
+    scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
+                                   num_update_steps)
+    return initialize_engine(model, ds_config, args.zero3_hook_granularity, optimizer=optimizer,
+                             lr_scheduler=scheduler, dist_init_required=True)
+
+
 def _check_loaded_keys(info: dict, path: str, config) -> None:
     """transformers only warns when checkpoint keys do not fit the model and leaves the
     missing weights randomly initialised (e.g. OPT weights under a Bloom config); here

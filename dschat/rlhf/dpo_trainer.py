@@ -11,11 +11,9 @@ import torch
 
 from dschat.engine.config import eval_ds_config, frozen_stage
 from dschat.engine.distributed import all_reduce_sum
-from dschat.engine.optim import build_lr_scheduler, build_optimizer
 from dschat.engine.train_utils import abandon_accumulation, to_device
 from dschat.engine.zero import initialize_engine, release_prefetched
-from dschat.models.lora import apply_lora
-from dschat.models.model_utils import create_hf_model
+from dschat.models.model_utils import build_lm_engine, create_hf_model
 from dschat.rlhf.dpo import (STAT_KEYS, answer_mask, dpo_losses, pair_stats, sequence_logps, split_pairs,
                              summarize, token_kl_sum)
 
@@ -43,18 +41,7 @@ def build_dpo_engines(args, tokenizer, ds_config: dict, num_update_steps: int):
     """(policy engine, reference engine) from --model_name_or_path: the policy with LoRA,
     gradient checkpointing, optimizer and LR schedule as step 1; the reference a second,
     frozen copy of the same weights in eval mode."""
-    model = create_hf_model(args.model_name_or_path, tokenizer, ds_config=ds_config,
-                            dropout=args.dropout, seed=args.seed)
-    model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    optimizer = build_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                lora_lr=args.lora_learning_rate, offload=args.offload)
-    scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
-                                   num_update_steps)
-    policy = initialize_engine(model, ds_config, args.zero3_hook_granularity, optimizer=optimizer,
-                               lr_scheduler=scheduler, dist_init_required=True)
+    policy = build_lm_engine(args, tokenizer, ds_config, num_update_steps)
     ref_cfg = reference_ds_config(args)
     ref = create_hf_model(args.model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
     ref.requires_grad_(False)

@@ -66,7 +66,7 @@ class PPOTrainer:
         # how answers end (dschat.data.chat.ChatFormat): stop ids (eos, the template's end of
         # turn) end generation, stop strings cut answers after it; None: eos only
         self.chat = chat
-        self.stop_ids = list(chat.stop_token_ids) if chat is not None else self.eos
+        self.stop_ids = list(chat.stop_token_ids) if chat is not None else [self.eos]
         # update_guard(name, loss, engine) -> bool, called on every rank before each
         # backward; False skips that backward and step (step 3 sets it to skip non-finite
         # losses identically on all ranks). None: always update.

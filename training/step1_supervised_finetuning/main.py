@@ -21,12 +21,9 @@ from tqdm import tqdm
 from dschat.data import create_prompt_dataset
 from dschat.engine.config import train_ds_config
 from dschat.engine.distributed import all_reduce_sum, init_distributed, rank
-from dschat.engine.optim import build_lr_scheduler, build_optimizer
 from dschat.engine.train_utils import (abandon_accumulation, evaluate_lm, lm_loss_sum, log_train_step,
                                        make_loader, micro_batch_groups, to_device, token_count)
-from dschat.engine.zero import initialize_engine
-from dschat.models.lora import apply_lora
-from dschat.models.model_utils import create_hf_model, load_tokenizer, save_hf_format
+from dschat.models.model_utils import build_lm_engine, load_tokenizer, save_hf_format
 from dschat.utils import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
 from dschat.utils.logging import print_rank_0
@@ -43,21 +40,6 @@ def parse_args(argv=None):
     flags.add_logging_args(parser)
     flags.add_checkpoint_args(parser)
     return parser.parse_args(argv)
-
-
-def build_engine(args, tokenizer, ds_config, num_update_steps):
-    model = create_hf_model(args.model_name_or_path, tokenizer, ds_config=ds_config,
-                            dropout=args.dropout, seed=args.seed)
-    model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    optimizer = build_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                lora_lr=args.lora_learning_rate, offload=args.offload)
-    scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
-                                   num_update_steps)
-    return initialize_engine(model, ds_config, args.zero3_hook_granularity, optimizer=optimizer,
-                             lr_scheduler=scheduler, dist_init_required=True)
 
 
 def train_step(engine, group, device, accumulation: int, world: int, guard: NonFiniteGuard,
@@ -113,7 +95,7 @@ def main(argv=None):
         zero_stage=args.zero_stage, dtype=args.dtype, micro_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, offload=args.offload,
         enable_tensorboard=False)
-    engine = build_engine(args, tokenizer, ds_config, total_steps)
+    engine = build_lm_engine(args, tokenizer, ds_config, total_steps)
     run_config = resolved_config(args, ds_config=ds_config, world_size=world,
                                  train_rows=len(train_data), eval_rows=len(eval_data))
     print_rank_0("resolved configuration:\n" + json.dumps(run_config, indent=1, sort_keys=True, default=str))
