@@ -48,6 +48,7 @@ STEP_MAIN = {1: "training/step1_supervised_finetuning/main.py",
              3: "training/step3_rlhf_finetuning/main.py"}
 STEP_NAME = {1: "SFT", 2: "reward model", 3: "PPO"}
 DPO_MAIN = "training/step2_dpo_finetuning/main.py"
+JUDGE = "judge reward model"
 # --align dpo without a "step2_dpo" section in the preset row: the policy is the actor, sized
 # as in its step-1 section, with upstream's DPO script settings (opt-350m: lr 5e-5, wd 0.1)
 DPO_FROM_STEP1 = ("max_seq_len", "per_device_train_batch_size", "per_device_eval_batch_size",
@@ -294,11 +295,16 @@ class Step:
     argv: list[str]                       # main.py and its flags
     done_files: list[str]
     flags: dict = field(default_factory=dict)
-    title: str = ""                       # STEP_NAME's unless set ("DPO")
+    title: str = ""                       # STEP_NAME's unless set ("DPO", "judge reward model")
 
     @property
     def name(self) -> str:
         return f"step {self.number} ({self.title or STEP_NAME[self.number]})"
+
+    @property
+    def key(self) -> str:
+        """Its log file and timing name: step1, step2, step3, or step2_judge for the judge."""
+        return f"step{self.number}" + ("_judge" if self.title == JUDGE else "")
 
     def complete(self) -> bool:
         return all((self.out / f).exists() for f in self.done_files)
@@ -363,7 +369,9 @@ def build_plan(args, actor: ModelChoice, reward: ModelChoice | None, deployment:
     arow = deployment_row(actor.preset, deployment, args.low_memory)
     rrow = deployment_row((reward or actor).preset, deployment, args.low_memory)
     data = dict(actor.preset.get("data", {}))
-    common = {"data_path": args.data_path or data.get("data_path", ["Dahoas/rm-static"]),
+    split = judge_split_of(args, actor)
+    common = {"data_path": [split["folders"]["policy"]] if split else
+              args.data_path or data.get("data_path", ["Dahoas/rm-static"]),
               "data_split": args.data_split or data.get("data_split", "2,4,4"), "seed": args.seed,
               "data_output_path": args.data_cache or str(out / "data_cache"),
               "dtype": base_dtype(deployment, actor.preset, args.dtype)}
@@ -398,7 +406,26 @@ def build_plan(args, actor: ModelChoice, reward: ModelChoice | None, deployment:
         steps.append(Step(number, Path(flags["output_dir"]), [STEP_MAIN[number], *to_argv(flags)], done, flags))
     if getattr(args, "align", "ppo") == "dpo":
         steps = [steps[0], dpo_step(args, arow, common, s1)]
+    elif split:  # the judge: step 2's recipe on the other half of the data, never seen by step 3
+        judge = {**s2, "data_path": [split["folders"]["judge"]], "output_dir": str(out / "step2_judge")}
+        steps.append(Step(2, out / "step2_judge", [STEP_MAIN[2], *to_argv(judge)], steps[1].done_files, judge,
+                          title=JUDGE))
     return steps
+
+
+def judge_split_of(args, actor: ModelChoice) -> dict | None:
+    """A preset whose data has "judge_split" cuts its data by prompt into held-out, policy and
+    judge parts (dschat.data.judge_split) under OUTPUT_DIR/data: {"source", "folders", ...}."""
+    data = actor.preset.get("data", {})
+    if "judge_split" not in data or getattr(args, "align", "ppo") == "dpo":
+        return None
+    out = Path(args.output_dir) / "data"
+    return {"source": args.data_path or data["data_path"], **data["judge_split"], "out": str(out),
+            "folders": {"policy": str(out / "policy"), "judge": str(out / "judge")}}
+
+
+def judge_step(steps: list[Step]) -> Step | None:
+    return next((s for s in steps if s.title == JUDGE), None)
 
 
 def dpo_step(args, arow: dict, common: dict, s1: dict) -> Step:
@@ -564,6 +591,12 @@ def heldout_eval(args, steps: list[Step], env: dict) -> dict:
            "--quiet"]
     if args.eval_prompts_file:
         cmd += ["--prompts", args.eval_prompts_file]
+    judge = judge_step(steps)
+    if judge is not None:
+        cmd += ["--judge_model", str(judge.out)]
+    if args.kl_samples:
+        cmd += ["--kl_samples", str(args.kl_samples)]
+    cmd += ["--batch_size", str(args.eval_batch_size)]
     print(f"\n==> held-out evaluation: {shlex.join(cmd)}", flush=True)
     rc = run_logged(cmd, Path(args.output_dir) / "logs" / "eval.log", env)
     if rc != 0:
@@ -593,7 +626,7 @@ def overview_plot(steps: list[Step], heldout_file: str | None, out_path: Path) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s1, s2, s3 = (s.out / "metrics.jsonl" for s in steps)
+    s1, s2, s3 = (s.out / "metrics.jsonl" for s in steps[:3])
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     panels = [
         (axes[0][0], "step 1 (SFT): loss", [(s1, "train/loss", "train"), (s1, "eval/loss", "eval")], False),
@@ -668,7 +701,8 @@ def build_dpo_report(args, steps, actor, deployment, timings) -> dict:
 
 
 def build_report(args, steps, actor, reward, deployment, timings, heldout) -> dict:
-    s1, s2, s3 = (s.out / "metrics.jsonl" for s in steps)
+    s1, s2, s3 = (s.out / "metrics.jsonl" for s in steps[:3])
+    judge = judge_step(steps)
     ppo_reward = metric_series(s3, "ppo/reward_mean")
     k = max(1, min(5, len(ppo_reward) // 4))
     ppo_train = {}
@@ -690,9 +724,13 @@ def build_report(args, steps, actor, reward, deployment, timings, heldout) -> di
                                      "rejected": first_last(metric_series(s2, "eval/rejected_score"))},
         "ppo_training_reward": ppo_train,
         "ppo_kl": first_last(metric_series(s3, "ppo/kl")),
+        "ppo_kl_per_answer": first_last(metric_series(s3, "ppo/kl_per_answer")),
+        "judge_eval_accuracy": first_last(metric_series(judge.out / "metrics.jsonl", "eval/acc")) if judge else None,
+        "targets": actor.preset.get("targets") if judge else None,
         "heldout_reward": heldout,
         "models": {"step1_sft": str(steps[0].out), "step2_reward_model": str(steps[1].out),
-                   "step3_actor": str(steps[2].out / "actor"), "step3_critic": str(steps[2].out / "critic")},
+                   "step3_actor": str(steps[2].out / "actor"), "step3_critic": str(steps[2].out / "critic"),
+                   **({"step2_judge": str(judge.out)} if judge else {})},
         "plots": make_plots(steps),
         "overview_plot": overview_plot(steps, heldout.get("answers_file"), Path(args.output_dir) / "report.png"),
         "logs": str(Path(args.output_dir) / "logs"),
@@ -706,6 +744,62 @@ def fmt(value, spec=".3f") -> str:
 def cell(text: str) -> str:
     """An answer as one markdown table cell: newlines and pipes visible, not structural."""
     return text.strip().replace("\\", "\\\\").replace("\n", "\\n").replace("|", "\\|")
+
+
+def _met(ok) -> str:
+    return "n/a" if ok is None else ("**yes**" if ok else "**no**")
+
+
+def judged_table(r: dict) -> list[str]:
+    """The held-out comparison of a run with a judge reward model (one PPO never saw), each row
+    against the preset's target when it has one."""
+    ho, t = r["heldout_reward"], r.get("targets") or {}
+    acc, jacc = r.get("reward_model_eval_accuracy") or {}, r.get("judge_eval_accuracy") or {}
+
+    def pm(prefix):
+        mean, std = ho.get(f"{prefix}_mean"), ho.get(f"{prefix}_std")
+        return "n/a" if mean is None else f"{mean:+.3f} ± {std:.3f}"
+
+    def check(value, bound, kind):
+        if value is None or bound is None:
+            return None
+        return value >= bound if kind == "min" else value <= bound
+
+    rm_min = t.get("reward_model_accuracy_min")
+    gain_sd, win, kl = ho.get("judge_gain_in_baseline_std"), ho.get("judge_win_rate"), ho.get("kl_per_answer")
+    d2b, d2f = ho.get("baseline_distinct_2"), ho.get("finetune_distinct_2")
+    d2_change = abs(d2f / d2b - 1) if d2b and d2f is not None else None
+    n = ho.get("num_prompts", 0)
+    rows = [
+        ("policy reward model: held-out pair accuracy", "", fmt(acc.get("after")), f">= {rm_min}" if rm_min else "",
+         check(acc.get("after"), rm_min, "min")),
+        ("judge reward model: held-out pair accuracy", "", fmt(jacc.get("after")), f">= {rm_min}" if rm_min else "",
+         check(jacc.get("after"), rm_min, "min")),
+        (f"policy-RM reward of greedy answers, {n} held-out prompts (mean ± sd)", pm("baseline_reward"),
+         pm("finetune_reward"), "", None),
+        (f"judge-RM reward, same answers (gain in SFT sd: {fmt(gain_sd, '+.2f')})", pm("baseline_judge"),
+         pm("finetune_judge"), f"gain >= {t['judge_gain_in_sft_std_min']} sd" if "judge_gain_in_sft_std_min" in t
+         else "", check(gain_sd, t.get("judge_gain_in_sft_std_min"), "min")),
+        ("judge win rate of PPO over SFT (ties count half)", "", fmt(win), f">= {t['judge_win_rate_min']}"
+         if "judge_win_rate_min" in t else "", check(win, t.get("judge_win_rate_min"), "min")),
+        (f"KL of the PPO actor to SFT per answer, nats ({ho.get('kl_samples', 0)} sampled held-out answers)", "",
+         fmt(kl, ".2f"), f"<= {t['kl_per_answer_max']}" if "kl_per_answer_max" in t else "",
+         check(kl, t.get("kl_per_answer_max"), "max")),
+        ("KL to the reference per answer in training, last step", "",
+         fmt((r.get("ppo_kl_per_answer") or {}).get("after"), ".2f"), "", None),
+        ("answer tokens, mean", fmt(ho.get("baseline_answer_tokens_mean"), ".1f"),
+         fmt(ho.get("finetune_answer_tokens_mean"), ".1f"), "", None),
+        ("distinct-2 of the answers", fmt(d2b), fmt(d2f), f"within {t['distinct_2_relative_change_max']:.0%} of SFT"
+         if "distinct_2_relative_change_max" in t else "", check(d2_change, t.get("distinct_2_relative_change_max"), "max")),
+        ("answers that end at the end of turn (not cut at the length limit)", fmt(ho.get("baseline_ended_share")),
+         fmt(ho.get("finetune_ended_share")), f">= {t['ended_share_min']}" if "ended_share_min" in t else "",
+         check(ho.get("finetune_ended_share"), t.get("ended_share_min"), "min")),
+    ]
+    lines = ["", "Held out: prompts and pairs no step trained on; the judge reward model trained on the other "
+                 "half of the training prompts, and PPO never saw it.", "",
+             "| measure | SFT (step 1) | PPO actor | target | met |", "|---|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} | {_met(e) if d else ''} |" for a, b, c, d, e in rows]
+    return lines
 
 
 def report_markdown(r: dict) -> str:
@@ -737,17 +831,23 @@ def report_markdown(r: dict) -> str:
     if ppo:
         lines.append(f"| PPO training reward (mean of first / last {ppo['window']} of {ppo['steps']} steps) "
                      f"| {fmt(ppo['first_steps_mean'])} | {fmt(ppo['last_steps_mean'])} |")
+    if ho and r.get("judge_eval_accuracy") is not None:
+        lines += judged_table(r)
     if ho and "finetune_better" in ho:
         ties = ho["num_prompts"] - ho["finetune_better"] - ho["finetune_worse"]
         lines += ["", f"On the held-out prompts the PPO actor's answer scores higher than the step-1 model's on "
                       f"{ho['finetune_better']}, lower on {ho['finetune_worse']} and the same on {ties} "
                       f"(reward gain {ho['reward_gain']:+.3f}; all answers: {ho['answers_file']})."]
     if ho.get("examples"):
-        lines += ["", "| prompt | step-1 answer (reward) | PPO answer (reward) |", "|---|---|---|"]
+        judged = any("baseline_judge" in ex for ex in ho["examples"])
+        what = "reward, judge" if judged else "reward"
+        lines += ["", f"| prompt | step-1 answer ({what}) | PPO answer ({what}) |", "|---|---|---|"]
         for ex in ho["examples"]:
             q = " ".join(ex["prompt"].replace("Human:", "").replace("Assistant:", "").split())
-            lines.append(f"| {q} | {cell(ex.get('baseline', ''))} ({fmt(ex.get('baseline_reward'), '+.2f')}) "
-                         f"| {cell(ex.get('finetune', ''))} ({fmt(ex.get('finetune_reward'), '+.2f')}) |")
+            scores = {c: fmt(ex.get(f"{c}_reward"), "+.2f") + (f", {fmt(ex.get(f'{c}_judge'), '+.2f')}" if judged else "")
+                      for c in ("baseline", "finetune")}
+            lines.append(f"| {q} | {cell(ex.get('baseline', ''))} ({scores['baseline']}) "
+                         f"| {cell(ex.get('finetune', ''))} ({scores['finetune']}) |")
         lines += ["", "The reward is what the step-2 model prefers, not correctness: a small reward model has blind "
                       "spots PPO will find (reward hacking). Read the answers, not only the mean."]
     lines += ["", "Models:"] + [f"- {k}: {v}" for k, v in r["models"].items()]
@@ -768,8 +868,13 @@ def parse_args(argv=None):
     g.add_argument("--actor-model", default=DEMO,
                    help="Preset name, preset file, model folder, config.json or hub name (default: demo).")
     g.add_argument("--reward-model", default=None,
-                   help="Same kinds as --actor-model, or 'step1' (the step-1 output as backbone). "
+                   help="Same kinds as --actor-model, 'step1' (the step-1 output as backbone) or 'actor' (the "
+                        "actor's starting model). "
                         "Default: the actor preset's reward_model.")
+    g.add_argument("--preset", default=None,
+                   help="A preset for the whole run: its model (unless --model) and hyperparameters; e.g. "
+                        "--preset smollm2-135m --model /path/to/SmolLM2-135M-Instruct.")
+    g.add_argument("--model", default=None, help="With --preset: the actor's starting model (a folder or hub name).")
     g.add_argument("--actor-preset", default=None, help="Hyperparameters for a non-preset actor model.")
     g.add_argument("--reward-preset", default=None, help="Hyperparameters for a non-preset reward model.")
     g.add_argument("--random-init", action="store_true",
@@ -813,14 +918,38 @@ def parse_args(argv=None):
         g.add_argument(f"--step{n}-args", default="", metavar="FLAGS",
                        help=f"Extra flags for step {n}'s main.py, last wins (e.g. --step{n}-args='--max_steps 5').")
     g = p.add_argument_group("report")
-    g.add_argument("--eval-prompts", type=int, default=64,
-                   help="Held-out prompts for the before/after PPO reward (0: skip that evaluation).")
+    g.add_argument("--eval-prompts", type=int, default=None,
+                   help="Held-out prompts for the before/after PPO reward (0: skip that evaluation; default: "
+                        "the preset's \"eval\" section's, else 64).")
+    g.add_argument("--kl-samples", type=int, default=None,
+                   help="Sampled answers per held-out prompt for KL(PPO || SFT) per answer (default: the "
+                        "preset's, else 0: not measured).")
     g.add_argument("--eval-prompts-file", default=None, help="Use these prompts instead (see inference/prompt_eval.py).")
-    g.add_argument("--report-examples", type=int, default=6, help="Example answers in the report.")
+    g.add_argument("--eval-batch-size", type=int, default=None,
+                   help="Prompts per generate call in the held-out evaluation (default: the preset's, else 16).")
+    g.add_argument("--report-examples", type=int, default=None, help="Example answers in the report "
+                   "(default: the preset's, else 6).")
     g.add_argument("--no-report", action="store_true", help="Run the steps only.")
     g.add_argument("--dry-run", action="store_true", help="Print the plan and the commands, run nothing.")
     g.add_argument("--list-presets", action="store_true", help="List the presets and exit.")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model and not args.preset:
+        p.error("--model goes with --preset (or use --actor-model with --actor-preset)")
+    if args.preset:
+        if args.actor_model != DEMO or args.actor_preset:
+            p.error("--preset replaces --actor-model/--actor-preset; give one or the other")
+        args.actor_model = args.model or args.preset
+        args.actor_preset = args.preset if args.model else None
+    return args
+
+
+def eval_settings(args, actor: ModelChoice) -> None:
+    """--eval-prompts, --kl-samples, --report-examples and --eval-batch-size: the flag, else the
+    preset's "eval" section, else 64, 0, 6 and 16."""
+    section = actor.preset.get("eval", {})
+    for flag, default in (("eval_prompts", 64), ("kl_samples", 0), ("report_examples", 6), ("eval_batch_size", 16)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, section.get(flag, default))
 
 
 def list_presets() -> None:
@@ -897,9 +1026,14 @@ def main(argv=None):
     args.output_dir = args.output_dir or str(REPO / "output" / ("e2e-demo" if args.actor_model == DEMO else f"e2e/{name}"))
     out = Path(args.output_dir)
     actor = resolve_model(args.actor_model, "actor", args.actor_preset, args.random_init, out)
+    eval_settings(args, actor)
     reward_spec = args.reward_model or actor.preset.get("reward_model", "step1")
-    reward = None if reward_spec == "step1" or args.align == "dpo" else resolve_model(reward_spec, "reward", args.reward_preset,
-                                                               args.random_init, out)
+    if reward_spec == "step1" or args.align == "dpo":
+        reward = None
+    elif reward_spec == "actor":  # the reward models start from the actor's starting model
+        reward = ModelChoice(actor.spec, actor.path, actor.preset, actor.params_b, "the actor's starting model")
+    else:
+        reward = resolve_model(reward_spec, "reward", args.reward_preset, args.random_init, out)
     steps = build_plan(args, actor, reward, deployment)
     row = deployment_row(actor.preset, deployment, args.low_memory)
     gpus = gpu_count(args, row, deployment)
@@ -910,10 +1044,16 @@ def main(argv=None):
         return 0
 
     out.mkdir(parents=True, exist_ok=True)
+    split = judge_split_of(args, actor)
+    if split:
+        from dschat.data.judge_split import prepare
+        made = prepare(split["source"], split["out"], split.get("eval_fraction", 0.1), split.get("seed", 1234))
+        print(f"\n==> data: {', '.join(made['data_path'])} cut by prompt into held-out / policy / judge: "
+              f"{made['prompts']} prompts in {split['out']}", flush=True)
     env = child_env(deployment)
     timings = previous_timings(out)
     retrained = []
-    for step in steps:
+    for step in sorted(steps, key=lambda s: s.number):  # the judge runs right after step 2
         if step.number not in args.step:
             continue
         if step.complete() and not args.force:
@@ -936,17 +1076,17 @@ def main(argv=None):
             print(f"\n==> {step.name}: an earlier run left {checkpoint}; resuming from it", flush=True)
         print(f"\n==> {step.name}: {shlex.join(cmd)}", flush=True)
         start = time.time()
-        rc = run_logged(cmd, out / "logs" / f"step{step.number}.log", env)
-        timings[f"step{step.number}"] = time.time() - start
+        rc = run_logged(cmd, out / "logs" / f"{step.key}.log", env)
+        timings[step.key] = time.time() - start
         if rc != 0:
-            print(f"error: {step.name} failed (exit code {rc}); its log: {out / 'logs' / f'step{step.number}.log'}"
+            print(f"error: {step.name} failed (exit code {rc}); its log: {out / 'logs' / f'{step.key}.log'}"
                   + ("; with --save_interval in --stepN-args a rerun resumes from its last checkpoint"
                      if rc != 2 else ""), file=sys.stderr, flush=True)
             return rc
         if not wait_complete(step, args.output_wait):
             raise UserInputError(f"{step.name} exited 0 but {step.out} lacks {', '.join(step.done_files)} "
                                  f"after {args.output_wait} s (multi-node: --output-dir must be on a shared filesystem)")
-        print(f"==> {step.name} done in {timings[f'step{step.number}']:.0f} s: {step.out}", flush=True)
+        print(f"==> {step.name} done in {timings[step.key]:.0f} s: {step.out}", flush=True)
         retrained.append(step.name)
 
     if args.no_report or not all(s.complete() for s in steps):

@@ -163,6 +163,27 @@ def reward_scores(reward_model, pairs: list[tuple[list[int], list[int]]], pad_id
     return scores
 
 
+@torch.no_grad()
+def answer_logprobs(model, pairs: list[tuple[list[int], list[int]]], pad_id: int,
+                    batch_size: int = 16) -> list[float]:
+    """Sum of log p(answer token | everything before it) of each (prompt_ids, answer_ids)."""
+    from dschat.rlhf.ppo_math import gather_log_probs
+
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start:start + batch_size]
+        seqs = [p + a for p, a in chunk]
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], device=device)
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        logp = gather_log_probs(logits, ids[:, 1:])
+        for row, (p, a) in zip(logp, chunk):
+            out.append(float(row[len(p) - 1:len(p) - 1 + len(a)].sum()))
+    return out
+
+
 def read_prompts(path: str) -> list[dict]:
     """Rows of a prompt file: JSONL with `prompt` (and optional `chosen`/`reference`),
     or plain text with one prompt per line. Prompts are framed as in the training data."""

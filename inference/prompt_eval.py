@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from dschat.data.assets import BUNDLED_DATASET_NAME  # noqa: E402
 from dschat.utils.errors import UserInputError  # noqa: E402
 from dschat.utils.run import main_guard  # noqa: E402
-from inference.common import (Sampling, chat_format, generate_answers, heldout_prompts, load_causal_lm,  # noqa: E402
-                              load_reward, pick_device, pick_dtype, read_prompts, reward_scores)
+from inference.common import (Sampling, answer_logprobs, chat_format, generate_answers, heldout_prompts,  # noqa: E402
+                              load_causal_lm, load_reward, pick_device, pick_dtype, read_prompts, reward_scores)
 
 
 def parse_args(argv=None):
@@ -35,6 +35,13 @@ def parse_args(argv=None):
     p.add_argument("--model_name_or_path_finetune", "--finetune", dest="finetune", default=None,
                    help="The trained model (e.g. step-3 actor/).")
     p.add_argument("--reward_model", default=None, help="A step-2 output folder: score every answer with it.")
+    p.add_argument("--judge_model", default=None,
+                   help="A second reward model (one the policy never trained against): score every answer "
+                        "with it too, and report win rates under both.")
+    p.add_argument("--kl_samples", type=int, default=0,
+                   help="Sample this many answers per prompt from the finetuned model (temperature 1) and "
+                        "report KL(finetune || baseline) per answer: the mean over them of the summed "
+                        "log-ratio of their tokens. Both models are held in memory for it.")
     p.add_argument("--prompts", default=None, help="Prompt file: one per line, or JSONL with `prompt`.")
     p.add_argument("--data_path", nargs="*", default=[BUNDLED_DATASET_NAME],
                    help="Without --prompts: take held-out prompts of this data (default: the bundled demo data).")
@@ -69,6 +76,10 @@ def validate(args) -> None:
     for flag in ("num_prompts", "max_new_tokens", "max_prompt_len", "batch_size", "width"):
         if getattr(args, flag) < 1:
             problems.append(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.kl_samples < 0:
+        problems.append(f"--kl_samples must be >= 0, got {args.kl_samples}")
+    if args.kl_samples and not (args.baseline and args.finetune):
+        problems.append("--kl_samples needs both --model_name_or_path_baseline and --model_name_or_path_finetune")
     if problems:
         raise UserInputError("; ".join(problems))
 
@@ -101,22 +112,51 @@ def answer_all(args, rows, device, dtype) -> dict:
     return answers
 
 
+SCORERS = (("reward", "reward_model"), ("judge", "judge_model"))
+
+
 def score_all(args, answers, device, dtype) -> dict:
-    """{column name: [reward, ...]} when --reward_model is given."""
-    if not args.reward_model:
-        return {}
-    model, rm_tokenizer = load_reward(args.reward_model, device, dtype)
+    """{scorer: {column name: [reward, ...]}} for --reward_model ("reward") and --judge_model ("judge")."""
     scores = {}
-    for name in ("baseline", "finetune"):
-        if name not in answers:
+    for scorer, flag in SCORERS:
+        path = getattr(args, flag)
+        if not path:
             continue
-        tok = answers[name + "_tokenizer"]
-        if tok.get_vocab() != rm_tokenizer.get_vocab():
-            raise UserInputError(f"--reward_model {args.reward_model} uses another tokenizer than the {name} "
-                                 "model; step 3 needs actor and reward model to share one")
-        scores[name] = reward_scores(model, [(p, a) for p, a, _ in answers[name]], rm_tokenizer.pad_token_id,
-                                     batch_size=args.batch_size)
+        model, rm_tokenizer = load_reward(path, device, dtype, flag=f"--{flag}")
+        scores[scorer] = {}
+        for name in ("baseline", "finetune"):
+            if name not in answers:
+                continue
+            tok = answers[name + "_tokenizer"]
+            if tok.get_vocab() != rm_tokenizer.get_vocab():
+                raise UserInputError(f"--{flag} {path} uses another tokenizer than the {name} "
+                                     "model; step 3 needs actor and reward model to share one")
+            scores[scorer][name] = reward_scores(model, [(p, a) for p, a, _ in answers[name]],
+                                                 rm_tokenizer.pad_token_id, batch_size=args.batch_size)
+        del model
     return scores
+
+
+def sampled_kl(args, rows, device, dtype) -> dict:
+    """KL(finetune || baseline) per answer, estimated on --kl_samples answers per prompt
+    sampled from the finetuned model at temperature 1: the mean of sum_t log p_ft(y_t) -
+    log p_base(y_t) over the answers' tokens (the k1 estimator, unbiased for the sequence KL).
+    Greedy answers would not do: their log-ratio is not a KL estimate."""
+    finetune, tokenizer = load_causal_lm(args.finetune, device, dtype, flag="--model_name_or_path_finetune")
+    baseline, _ = load_causal_lm(args.baseline, device, dtype, flag="--model_name_or_path_baseline")
+    chat = chat_format(tokenizer, args.chat_template, args.stop_strings)
+    prompts = [r["prompt"] for r in rows for _ in range(args.kl_samples)]
+    sampled = generate_answers(finetune, tokenizer, prompts, Sampling(args.max_new_tokens, temperature=1.0),
+                               batch_size=args.batch_size, max_prompt_len=args.max_prompt_len,
+                               seed=args.seed, chat=chat)
+    pairs = [(p, a) for p, a, _ in sampled]
+    ft = answer_logprobs(finetune, pairs, tokenizer.pad_token_id, batch_size=args.batch_size)
+    base = answer_logprobs(baseline, pairs, tokenizer.pad_token_id, batch_size=args.batch_size)
+    per_answer = [f - b for f, b in zip(ft, base)]
+    tokens = sum(len(a) for _, a in pairs)
+    return {"kl_per_answer": sum(per_answer) / len(per_answer),
+            "kl_per_token": sum(per_answer) / max(tokens, 1),
+            "kl_samples": len(per_answer), "kl_sampled_answer_tokens_mean": tokens / len(per_answer)}
 
 
 def clip(text: str, width: int) -> str:
@@ -125,18 +165,17 @@ def clip(text: str, width: int) -> str:
 
 
 def table(rows, answers, scores, width: int) -> str:
-    """A fixed-width table: prompt | baseline answer (reward) | finetuned answer (reward)."""
+    """A fixed-width table: prompt | baseline answer (rewards) | finetuned answer (rewards)."""
     header = ["#", "prompt"]
     cols = [c for c in ("baseline", "finetune") if c in answers]
     for c in cols:
-        header += [c] + (["reward"] if c in scores else [])
+        header += [c] + [scorer for scorer in scores if c in scores[scorer]]
     lines = []
     for i, row in enumerate(rows):
         cells = [str(i), clip(row["prompt"].replace("Human:", "").replace("Assistant:", ""), width)]
         for c in cols:
             cells.append(clip(answers[c][i][2], width))
-            if c in scores:
-                cells.append(f"{scores[c][i]:+.3f}")
+            cells += [f"{scores[scorer][c][i]:+.3f}" for scorer in scores if c in scores[scorer]]
         lines.append(cells)
     widths = [max(len(r[j]) for r in [header] + lines) for j in range(len(header))]
     fmt = lambda cells: " | ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
@@ -144,18 +183,50 @@ def table(rows, answers, scores, width: int) -> str:
     return "\n".join([fmt(header), sep] + [fmt(r) for r in lines])
 
 
-def summarize(rows, answers, scores) -> dict:
+def distinct_n(answers: list[list[int]], n: int = 2) -> float:
+    """Distinct-n (Li et al. 2016): distinct token n-grams over all n-grams of all answers."""
+    grams = [tuple(a[i:i + n]) for a in answers for i in range(len(a) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def ended(answer: list[int], chat, max_new_tokens: int) -> bool:
+    """The answer stopped on its own (end of turn, eos or a stop string), not at the length limit:
+    generation only stops a row early at a stop, so a shorter answer ended there."""
+    return len(answer) < max_new_tokens or (bool(answer) and answer[-1] in chat.stop_token_ids)
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    mean = sum(xs) / len(xs)
+    return mean, (sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5
+
+
+def summarize(rows, answers, scores, chat=None, max_new_tokens: int | None = None) -> dict:
+    """Per model: answer length, distinct-2, share of answers that ended on their own, and the
+    mean/std reward under each scorer; per scorer: finetune-vs-baseline wins and gain. Keys of
+    the policy reward model: `{col}_reward_mean`, `finetune_better`, `reward_gain`; of the
+    judge: `{col}_judge_mean`, `judge_finetune_better`, `judge_gain` ..."""
     out = {"num_prompts": len(rows), "sources": sorted({r.get("source", "file") for r in rows})}
     for c in ("baseline", "finetune"):
-        if c in answers:
-            out[f"{c}_answer_tokens_mean"] = sum(len(a) for _, a, _ in answers[c]) / max(len(rows), 1)
-        if c in scores:
-            out[f"{c}_reward_mean"] = sum(scores[c]) / max(len(scores[c]), 1)
-    if "baseline" in scores and "finetune" in scores:
-        pairs = list(zip(scores["baseline"], scores["finetune"]))
-        out["finetune_better"] = sum(f > b for b, f in pairs)
-        out["finetune_worse"] = sum(f < b for b, f in pairs)
-        out["reward_gain"] = out["finetune_reward_mean"] - out["baseline_reward_mean"]
+        if c not in answers:
+            continue
+        ids = [a for _, a, _ in answers[c]]
+        out[f"{c}_answer_tokens_mean"] = sum(len(a) for a in ids) / max(len(rows), 1)
+        out[f"{c}_distinct_2"] = distinct_n(ids, 2)
+        if chat is not None and max_new_tokens:
+            out[f"{c}_ended_share"] = sum(ended(a, chat, max_new_tokens) for a in ids) / max(len(ids), 1)
+    for scorer, per_col in scores.items():
+        for c, xs in per_col.items():
+            out[f"{c}_{scorer}_mean"], out[f"{c}_{scorer}_std"] = _mean_std(xs)
+        if "baseline" in per_col and "finetune" in per_col:
+            pairs = list(zip(per_col["baseline"], per_col["finetune"]))
+            prefix = "" if scorer == "reward" else f"{scorer}_"
+            better, worse = sum(f > b for b, f in pairs), sum(f < b for b, f in pairs)
+            out[f"{prefix}finetune_better"], out[f"{prefix}finetune_worse"] = better, worse
+            out[f"{prefix}win_rate"] = (better + 0.5 * (len(pairs) - better - worse)) / len(pairs)
+            gain = out[f"finetune_{scorer}_mean"] - out[f"baseline_{scorer}_mean"]
+            out[f"{scorer}_gain"] = gain
+            std = out[f"baseline_{scorer}_std"]
+            out[f"{scorer}_gain_in_baseline_std"] = gain / std if std > 0 else None
     return out
 
 
@@ -167,8 +238,10 @@ def write_jsonl(path, rows, answers, scores) -> None:
             for c in ("baseline", "finetune"):
                 if c in answers:
                     record[c] = answers[c][i][2]
-                if c in scores:
-                    record[f"{c}_reward"] = scores[c][i]
+                    record[f"{c}_tokens"] = len(answers[c][i][1])
+                for scorer, per_col in scores.items():
+                    if c in per_col:
+                        record[f"{c}_{scorer}"] = per_col[c][i]
             f.write(json.dumps(record) + "\n")
 
 
@@ -180,7 +253,11 @@ def main(argv=None):
     rows = load_rows(args)
     answers = answer_all(args, rows, device, dtype)
     scores = score_all(args, answers, device, dtype)
-    summary = summarize(rows, answers, scores)
+    tokenizer = answers.get("finetune_tokenizer") or answers["baseline_tokenizer"]
+    summary = summarize(rows, answers, scores, chat_format(tokenizer, args.chat_template, args.stop_strings),
+                        args.max_new_tokens)
+    if args.kl_samples:
+        summary.update(sampled_kl(args, rows, device, dtype))
     if not args.quiet:
         print(table(rows, answers, scores, args.width))
     print(json.dumps(summary))

@@ -51,7 +51,7 @@ def run(cmd, timeout=120, **kw):
 def test_preset_parses_and_follows_the_memory_rule(path, e2e):
     preset = e2e.load_preset(path.stem)
     assert preset["name"] == path.stem
-    reward = e2e.load_preset(preset["reward_model"]) if preset["reward_model"] != "step1" else preset
+    reward = e2e.load_preset(preset["reward_model"]) if preset["reward_model"] not in ("step1", "actor") else preset
     for deployment, row in preset["deployments"].items():
         assert deployment in e2e.DEPLOYMENTS, deployment
         assert row["actor_zero_stage"] in (0, 1, 2, 3) and row["reward_zero_stage"] in (0, 1, 2, 3)
@@ -84,7 +84,8 @@ def plan(e2e, name, deployment, tmp="/tmp/dschat-preset-check"):
     args = e2e.parse_args(["--actor-model", name, "--deployment-type", deployment, "--output-dir", tmp])
     actor = e2e.resolve_model(args.actor_model, "actor", None, False, Path(tmp))
     reward_spec = actor.preset.get("reward_model", "step1")
-    reward = None if reward_spec == "step1" else e2e.resolve_model(reward_spec, "reward", None, False, Path(tmp))
+    reward = (None if reward_spec == "step1" else actor if reward_spec == "actor"
+              else e2e.resolve_model(reward_spec, "reward", None, False, Path(tmp)))
     return e2e.build_plan(args, actor, reward, deployment)
 
 
@@ -180,6 +181,9 @@ def tiny_models(tmp_path_factory):
                                model_class=AutoModel)
     torch.manual_seed(3)
     save_reward_model(RewardModel(backbone, pad_token_id=tokenizer.pad_token_id), tokenizer, root / "rm")
+    judge = create_hf_model(str(REPO / "configs" / "tiny" / "bloom.json"), tokenizer, seed=4, model_class=AutoModel)
+    torch.manual_seed(5)
+    save_reward_model(RewardModel(judge, pad_token_id=tokenizer.pad_token_id), tokenizer, root / "judge")
     return root
 
 
@@ -188,17 +192,25 @@ def test_prompt_eval_side_by_side_with_rewards(tiny_models, tmp_path):
     prompts.write_text("What is 2 plus 3?\nWhat colour is a banana?\n\nName a capital city.\n")
     out = tmp_path / "answers.jsonl"
     proc = run([sys.executable, PROMPT_EVAL, "--baseline", tiny_models / "lm", "--finetune", tiny_models / "lm",
-                "--reward_model", tiny_models / "rm", "--prompts", prompts, "--max_new_tokens", "6",
-                "--jsonl", out])
+                "--reward_model", tiny_models / "rm", "--judge_model", tiny_models / "judge", "--prompts", prompts,
+                "--max_new_tokens", "6", "--kl_samples", "2", "--jsonl", out])
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[0].split("|")[1].strip() == "prompt" and "baseline" in lines[0] and "reward" in lines[0]
+    assert "judge" in lines[0]
     summary = json.loads(lines[-1])
     assert summary["num_prompts"] == 3
     assert summary["baseline_reward_mean"] == pytest.approx(summary["finetune_reward_mean"])  # same model
+    # the same model on both sides: every pair ties (win rate 1/2) and the sampled KL is 0
+    assert summary["win_rate"] == summary["judge_win_rate"] == 0.5
+    assert summary["kl_samples"] == 6 and summary["kl_per_answer"] == pytest.approx(0.0, abs=1e-4)
+    assert summary["baseline_judge_mean"] != pytest.approx(summary["baseline_reward_mean"])  # another model
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 3 and rows[0]["prompt"] == "\n\nHuman: What is 2 plus 3?\n\nAssistant:"
-    assert all(isinstance(r["finetune_reward"], float) for r in rows)
+    assert all(isinstance(r["finetune_reward"], float) and isinstance(r["finetune_judge"], float) for r in rows)
+    # six new tokens at most: an answer shorter than that ended on its own
+    ended = sum(r["baseline_tokens"] < 6 for r in rows)
+    assert summary["baseline_ended_share"] >= ended / 3
 
 
 def test_prompt_eval_rejects_a_reward_model_as_the_lm(tiny_models):

@@ -233,6 +233,9 @@ class PPOTrainer:
                                               else torch.zeros((), device=reward.device)).item(),
             # k1 (mean log-ratio; can go negative on greedy answers) and k3 (always >= 0)
             "ppo/kl": all_reduce_mean(pm.approx_kl(exp.logprobs, exp.ref_logprobs, exp.action_mask)).item(),
+            # summed over each answer's tokens: the KL budget a run is judged by (nats per answer)
+            "ppo/kl_per_answer": all_reduce_mean(
+                ((exp.logprobs.float() - exp.ref_logprobs.float()) * exp.action_mask).sum(1)[kept].mean()).item(),
             "ppo/kl_k3": all_reduce_mean(pm.masked_mean(
                 torch.expm1(exp.ref_logprobs - exp.logprobs) - (exp.ref_logprobs - exp.logprobs),
                 exp.action_mask)).item(),

@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""One markdown table of several e2e_rlhf.py runs (their report.json), with the mean and
+standard deviation over runs that differ only by seed.
+
+    python applications/compare_runs.py out/real/seed1234 out/real/seed1235 out/real/kl0.05-seed1234
+
+A run's name is its folder's name; runs whose names agree once a trailing "-seedN" (or a
+folder named "seedN") is removed form a group, and each group with several runs gets a
+"mean ± sd" row. Columns are the held-out measures of a run with a judge reward model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+COLUMNS = (  # (header, report path, format)
+    ("policy RM acc", ("reward_model_eval_accuracy", "after"), ".3f"),
+    ("judge RM acc", ("judge_eval_accuracy", "after"), ".3f"),
+    ("SFT judge reward", ("heldout_reward", "baseline_judge_mean"), "+.3f"),
+    ("PPO judge reward", ("heldout_reward", "finetune_judge_mean"), "+.3f"),
+    ("judge gain (SFT sd)", ("heldout_reward", "judge_gain_in_baseline_std"), "+.2f"),
+    ("judge win rate", ("heldout_reward", "judge_win_rate"), ".3f"),
+    ("policy-RM gain", ("heldout_reward", "reward_gain"), "+.3f"),
+    ("KL/answer", ("heldout_reward", "kl_per_answer"), ".2f"),
+    ("ended SFT", ("heldout_reward", "baseline_ended_share"), ".3f"),
+    ("ended PPO", ("heldout_reward", "finetune_ended_share"), ".3f"),
+    ("distinct-2 SFT", ("heldout_reward", "baseline_distinct_2"), ".3f"),
+    ("distinct-2 PPO", ("heldout_reward", "finetune_distinct_2"), ".3f"),
+    ("tokens SFT", ("heldout_reward", "baseline_answer_tokens_mean"), ".1f"),
+    ("tokens PPO", ("heldout_reward", "finetune_answer_tokens_mean"), ".1f"),
+)
+
+
+def value(report: dict, path: tuple[str, str]):
+    section = report.get(path[0]) or {}
+    v = section.get(path[1])
+    return v if isinstance(v, (int, float)) else None
+
+
+def group_name(run: str) -> str:
+    return re.sub(r"(^|[-_/])seed\d+$", "", run)
+
+
+def table(runs: dict[str, dict]) -> str:
+    lines = ["| run | " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    groups: dict[str, list[str]] = {}
+    for name in runs:
+        groups.setdefault(group_name(name), []).append(name)
+    for group, names in groups.items():
+        for name in names:
+            cells = [("n/a" if (v := value(runs[name], p)) is None else format(v, f)) for _, p, f in COLUMNS]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        if len(names) > 1:
+            cells = []
+            for _, p, f in COLUMNS:
+                xs = [v for n in names if (v := value(runs[n], p)) is not None]
+                cells.append("n/a" if not xs else format(statistics.mean(xs), f) + " ± "
+                             + format(statistics.stdev(xs) if len(xs) > 1 else 0.0, f.lstrip("+")))
+            lines.append(f"| **{group or 'all'}: mean ± sd of {len(names)}** | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="e2e_rlhf.py output folders (each with report.json).")
+    p.add_argument("--out", default=None, help="Also write the table to this file.")
+    args = p.parse_args(argv)
+    runs = {}
+    for folder in args.runs:
+        path = Path(folder) / "report.json"
+        if not path.is_file():
+            print(f"error: {path}: no such file (did that run finish its report?)", file=sys.stderr)
+            return 2
+        runs[Path(folder).name] = json.loads(path.read_text())
+    text = table(runs)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct through SFT -> reward model -> PPO on HH-RLHF harmless-base, judged on
+# held-out prompts by a second reward model PPO never sees (configs/presets/smollm2-135m.json):
+# one GPU, ZeRO-3, our hybrid engine.
+#
+#   MODEL=/path/to/SmolLM2-135M-Instruct DATA=/path/to/harmless-base-test.jsonl.gz bash scripts/run_real_smollm2.sh
+#
+# The first seed runs steps 1, 2 (policy and judge reward models) and 3; every other seed in
+# SEEDS and every point of SWEEP reuses its steps 1-2 (linked, not retrained) and runs step 3
+# and the held-out evaluation again. SWEEP holds "name|step-3 flags" entries, each run at the
+# first seed. The last lines print the table of all runs (applications/compare_runs.py).
+#   SEEDS="1234 1235 1236"  SWEEP="kl0.05|--kl_ctl 0.05;lr1e-5|--actor_learning_rate 1e-5"
+#   OUT=output/real-smollm2  DEPLOYMENT=single_gpu (cpu: a few steps each, a smoke test)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+: "${MODEL:?set MODEL to a SmolLM2-135M-Instruct folder}"
+: "${DATA:?set DATA to HH-RLHF harmless-base preference pairs (a jsonl[.gz] file or folder)}"
+OUT=${OUT:-$ROOT/output/real-smollm2}
+SEEDS=${SEEDS:-1234 1235 1236}
+SWEEP=${SWEEP:-}
+DEPLOYMENT=${DEPLOYMENT:-single_gpu}
+read -r -a seeds <<< "$SEEDS"
+first=${seeds[0]}
+e2e() { python3 "$ROOT/applications/e2e_rlhf.py" --preset smollm2-135m --model "$MODEL" --data-path "$DATA" \
+          --deployment-type "$DEPLOYMENT" "$@"; }
+reuse() {  # a run folder sharing the first run's data, SFT model and both reward models
+  mkdir -p "$1"
+  for part in data data_cache step1 step2 step2_judge; do
+    [ -e "$1/$part" ] || ln -s "$OUT/seed$first/$part" "$1/$part"
+  done
+}
+
+runs=("$OUT/seed$first")
+e2e --output-dir "$OUT/seed$first" --seed "$first"
+for seed in "${seeds[@]:1}"; do
+  reuse "$OUT/seed$seed"
+  e2e --output-dir "$OUT/seed$seed" --seed "$seed" --step 3
+  runs+=("$OUT/seed$seed")
+done
+IFS=';' read -r -a points <<< "$SWEEP"
+for point in "${points[@]}"; do
+  name=${point%%|*}; flags=${point#*|}
+  reuse "$OUT/$name-seed$first"
+  e2e --output-dir "$OUT/$name-seed$first" --seed "$first" --step 3 --step3-args "$flags"
+  runs+=("$OUT/$name-seed$first")
+done
+python3 "$ROOT/applications/compare_runs.py" "${runs[@]}" --out "$OUT/runs.md"
