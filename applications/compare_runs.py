@@ -64,10 +64,44 @@ def table(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+CURVES = (("ppo/reward_mean", "policy-RM reward of the rollouts"), ("ppo/kl_per_answer", "KL to the reference per answer"),
+          ("gen/answer_len_mean", "answer tokens"))
+
+
+def plot(folders: list[Path], out: str) -> None:
+    """Step 3's training curves of every run (RUN/step3/metrics.jsonl), one panel per measure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dschat.utils.metrics import read_metrics
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.8))
+    for folder in folders:
+        path = next((p for p in (folder / "step3" / "metrics.jsonl", folder / "step3.metrics.jsonl") if p.is_file()), None)
+        if path is None:
+            continue
+        records = read_metrics(path)
+        for ax, (key, _) in zip(axes, CURVES):
+            points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            if points:
+                ax.plot(*zip(*points), label=folder.name, linewidth=1.2)
+    for ax, (_, title) in zip(axes, CURVES):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("PPO step")
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="e2e_rlhf.py output folders (each with report.json).")
     p.add_argument("--out", default=None, help="Also write the table to this file.")
+    p.add_argument("--plot", default=None, help="Also draw step 3's curves of every run into this PNG.")
     args = p.parse_args(argv)
     runs = {}
     for folder in args.runs:
@@ -80,6 +114,8 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    if args.plot:
+        plot([Path(f) for f in args.runs], args.plot)
     return 0
 
 

@@ -8,7 +8,8 @@
 # The first seed runs steps 1, 2 (policy and judge reward models) and 3; every other seed in
 # SEEDS and every point of SWEEP reuses its steps 1-2 (linked, not retrained) and runs step 3
 # and the held-out evaluation again. SWEEP holds "name|step-3 flags" entries, each run at the
-# first seed. The last lines print the table of all runs (applications/compare_runs.py).
+# first seed. The last lines print the table of all runs (applications/compare_runs.py). A run
+# whose report.json exists is skipped, so running the script again continues where it stopped.
 #   SEEDS="1234 1235 1236"  SWEEP="kl0.05|--kl_ctl 0.05;lr1e-5|--actor_learning_rate 1e-5"
 #   OUT=output/real-smollm2  DEPLOYMENT=single_gpu (cpu: a few steps each, a smoke test)
 set -euo pipefail
@@ -21,8 +22,12 @@ SWEEP=${SWEEP:-}
 DEPLOYMENT=${DEPLOYMENT:-single_gpu}
 read -r -a seeds <<< "$SEEDS"
 first=${seeds[0]}
-e2e() { python3 "$ROOT/applications/e2e_rlhf.py" --preset smollm2-135m --model "$MODEL" --data-path "$DATA" \
-          --deployment-type "$DEPLOYMENT" "$@"; }
+e2e() {  # a run whose report exists is done (rerunning the script continues where it stopped)
+  local dir=$2
+  [ -f "$dir/report.json" ] && { echo "==> $dir: done"; return 0; }
+  python3 "$ROOT/applications/e2e_rlhf.py" --preset smollm2-135m --model "$MODEL" --data-path "$DATA" \
+    --deployment-type "$DEPLOYMENT" "$@"
+}
 reuse() {  # a run folder sharing the first run's data, SFT model and both reward models
   mkdir -p "$1"
   for part in data data_cache step1 step2 step2_judge; do
@@ -44,4 +49,4 @@ for point in "${points[@]}"; do
   e2e --output-dir "$OUT/$name-seed$first" --seed "$first" --step 3 --step3-args "$flags"
   runs+=("$OUT/$name-seed$first")
 done
-python3 "$ROOT/applications/compare_runs.py" "${runs[@]}" --out "$OUT/runs.md"
+python3 "$ROOT/applications/compare_runs.py" "${runs[@]}" --out "$OUT/runs.md" --plot "$OUT/runs.png"

@@ -182,8 +182,14 @@ def test_compare_runs_groups_seeds(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "report.json").write_text(json.dumps(
             {"heldout_reward": {"judge_gain_in_baseline_std": gain}, "reward_model_eval_accuracy": {"after": 0.6}}))
-    out = tmp_path / "runs.md"
-    assert COMPARE.main([str(tmp_path / n) for n in ("seed1", "seed2", "kl0.05-seed1")] + ["--out", str(out)]) == 0
+    (tmp_path / "seed1" / "step3").mkdir()
+    (tmp_path / "seed1" / "step3" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "ppo/reward_mean": 0.1 * i, "ppo/kl_per_answer": 0.5 * i}) + "\n"
+                for i in range(1, 4)))
+    out, png = tmp_path / "runs.md", tmp_path / "runs.png"
+    assert COMPARE.main([str(tmp_path / n) for n in ("seed1", "seed2", "kl0.05-seed1")]
+                        + ["--out", str(out), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 1000
     lines = out.read_text().splitlines()
     mean_row = next(line for line in lines if "mean ± sd of 2" in line)
     assert "+0.30 ± 0.14" in mean_row and "0.600 ± 0.000" in mean_row
