@@ -32,7 +32,8 @@ class DataCollatorReward:
 
 
 class DataCollatorRLHF:
-    """{prompt, prompt_att_mask}: [B, max_prompt_len], left-padded with `pad_token_id`."""
+    """{prompt, prompt_att_mask}: [B, max_prompt_len], left-padded with `pad_token_id`;
+    items with "fields" (the rows' other columns) add "fields": a list of B dicts."""
 
     def __init__(self, max_prompt_len: int, pad_token_id: int):
         self.max_prompt_len = max_prompt_len
@@ -49,4 +50,7 @@ class DataCollatorRLHF:
             padded, mask = pad_left(prompt, self.max_prompt_len, self.pad_token_id)
             ids.append(padded)
             masks.append(mask)
-        return {"prompt": torch.stack(ids), "prompt_att_mask": torch.stack(masks)}
+        out = {"prompt": torch.stack(ids), "prompt_att_mask": torch.stack(masks)}
+        if "fields" in features[0]:
+            out["fields"] = [f["fields"] for f in features]
+        return out

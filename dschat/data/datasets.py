@@ -60,7 +60,10 @@ class PromptDataset(Dataset):
                                       self.pad_token_id)
                 item[f"{side}_input_ids"], item[f"{side}_attention_mask"] = ids, mask
             return item
-        return {"prompt_input_ids": packed_item(self.store["prompt"], index)}
+        item = {"prompt_input_ids": packed_item(self.store["prompt"], index)}
+        if "fields" in self.store:  # the row's other columns, for --reward_fn
+            item["fields"] = self.store["fields"][index] or {}
+        return item
 
 
 class BlockDataset(Dataset):
@@ -175,12 +178,15 @@ def _tokenize_phase2(rows, chat, max_len, eot, side, stats):
             "rejected": pack([rejected[i] for i in keep])}
 
 
-def _tokenize_phase3(rows, chat, max_len, eot, side, stats):
+def _tokenize_phase3(rows, chat, max_len, eot, side, stats, row_fields=False):
     prompts = encode(chat.tokenizer, [chat.prompt(r.prompt) for r in rows], chat.add_special_tokens)
-    fitting = [p for p in prompts if len(p) <= max_len]
+    fitting = [i for i, p in enumerate(prompts) if len(p) <= max_len]
     stats["too_long_prompts"] = len(prompts) - len(fitting)
     stats["shortest_prompt"] = min((len(p) for p in prompts), default=0)
-    return {"prompt": pack(fitting)}
+    out = {"prompt": pack([prompts[i] for i in fitting])}
+    if row_fields:  # one small dict (or None) per kept prompt: the row's extra columns
+        out["fields"] = [rows[i].fields for i in fitting]
+    return out
 
 
 _TOKENIZERS = {1: _tokenize_phase1, 2: _tokenize_phase2, 3: _tokenize_phase3}
@@ -199,13 +205,14 @@ def _log_drops(split: str, phase: int, max_len: int, stats: dict) -> None:
 
 
 def _build_prompt_payload(data_path, data_split, phase, seed, chat, max_seq_len, eot,
-                          sft_only_data_path):
+                          sft_only_data_path, row_fields=False):
     train, evals = blend_rows(data_path, data_split, phase, seed, sft_only_data_path)
     side = getattr(chat.tokenizer, "truncation_side", "right")
     splits, meta = {}, {"train_phase": phase, "max_seq_len": max_seq_len, "stats": {}}
     for split, rows in (("train", train), ("eval", evals)):
         stats = {"rows": len(rows)}
-        splits[split] = _TOKENIZERS[phase](rows, chat, max_seq_len, eot, side, stats)
+        extra = {"row_fields": True} if row_fields else {}
+        splits[split] = _TOKENIZERS[phase](rows, chat, max_seq_len, eot, side, stats, **extra)
         stats["items"] = packed_len(next(iter(splits[split].values())))
         meta["stats"][split] = stats
         _log_drops(split, phase, max_seq_len, stats)
@@ -237,7 +244,7 @@ def _validate_common(train_phase: int, max_seq_len: int) -> None:
 
 def prompt_cache_dir(data_path, data_split: str, output_path: str, train_phase: int, seed: int,
                      tokenizer, max_seq_len: int, end_of_conversation_token=None,
-                     sft_only_data_path=(), chat_template: str = "none") -> Path:
+                     sft_only_data_path=(), chat_template: str = "none", row_fields: bool = False) -> Path:
     """The cache folder `create_prompt_dataset` uses for these arguments."""
     data_path, sft_only = _entries(data_path), _entries(sft_only_data_path)
     fractions = parse_data_split(data_split)
@@ -250,6 +257,8 @@ def prompt_cache_dir(data_path, data_split: str, output_path: str, train_phase: 
     chat = ChatFormat(tokenizer, chat_template).fingerprint
     if chat != "none":  # raw-text caches keep the keys they always had
         parts["chat"] = chat
+    if train_phase == 3 and row_fields:  # caches without fields keep the keys they always had
+        parts["row_fields"] = True
     if train_phase in (1, 2):
         parts["eot"] = end_of_conversation_text(tokenizer, end_of_conversation_token)
     if train_phase == 1:
@@ -262,12 +271,15 @@ def create_prompt_dataset(local_rank: int, data_path: list[str], data_split: str
                           output_path: str, train_phase: int, seed: int, tokenizer,
                           max_seq_len: int, end_of_conversation_token: Optional[str] = None,
                           sft_only_data_path: list[str] = (), reload: bool = False,
-                          chat_template: str = "none") -> tuple[PromptDataset, PromptDataset]:
+                          chat_template: str = "none", row_fields: bool = False
+                          ) -> tuple[PromptDataset, PromptDataset]:
     """(train, eval) datasets of step `train_phase`, built once on local rank 0 and cached.
 
     Step 3: `max_seq_len` is the maximum prompt length (--max_prompt_seq_len); longer
     prompts are dropped. `chat_template` "auto" renders rows with the tokenizer's chat
     template when it has one (dschat.data.chat); "none" keeps DS-Chat's raw text.
+    `row_fields` (step 3): items also carry "fields", the row's other scalar columns (e.g.
+    a reference "answer"), which the collator passes on for --reward_fn.
     """
     _validate_common(train_phase, max_seq_len)
     data_path, sft_only = _entries(data_path), _entries(sft_only_data_path)
@@ -276,13 +288,15 @@ def create_prompt_dataset(local_rank: int, data_path: list[str], data_split: str
     eot = end_of_conversation_text(tokenizer, end_of_conversation_token)
     pad_id = pad_token_id(tokenizer)
     folder = prompt_cache_dir(data_path, data_split, output_path, train_phase, seed, tokenizer,
-                              max_seq_len, end_of_conversation_token, sft_only, chat_template)
+                              max_seq_len, end_of_conversation_token, sft_only, chat_template,
+                              row_fields and train_phase == 3)
     chat = ChatFormat(tokenizer, chat_template, eot)
     logger.info(f"step {train_phase} data: conversations as {chat.describe()}")
 
     def build():
         return _build_prompt_payload(data_path, data_split, train_phase, seed, chat,
-                                     max_seq_len, eot, sft_only if train_phase == 1 else ())
+                                     max_seq_len, eot, sft_only if train_phase == 1 else (),
+                                     row_fields and train_phase == 3)
 
     splits, meta = build_once(folder, build, local_rank, reload, SPLITS)
     datasets = tuple(PromptDataset(train_phase, splits[s], max_seq_len, pad_id) for s in SPLITS)

@@ -34,11 +34,15 @@ EXPECTED_COLUMNS = ("prompt+chosen+rejected, or chosen+rejected, or prompt+respo
 
 
 class Row(NamedTuple):
-    """One normalised example. Pairs fill prompt/chosen/rejected, SFT rows prompt/chosen."""
+    """One normalised example. Pairs fill prompt/chosen/rejected, SFT rows prompt/chosen.
+
+    `fields`: the record's other columns with scalar values (e.g. the reference "answer"
+    of a verifiable task), for step 3's --reward_fn; None when there are none."""
     prompt: Optional[str] = None
     chosen: Optional[str] = None
     rejected: Optional[str] = None
     text: Optional[str] = None
+    fields: Optional[dict] = None
 
     def as_text(self) -> str:
         """The row as one document (ptx data): its text, or prompt + chosen answer."""
@@ -233,10 +237,24 @@ def normalise_records(records: Iterable[tuple[int, object]], fmt: Format,
             report.add(number, "not an object" if record is not _UNREADABLE else "invalid JSON")
             continue
         try:
-            rows.append(fmt.normalise(record))
+            row = fmt.normalise(record)
         except BadRow as bad:
             report.add(number, str(bad))
+            continue
+        extra = extra_fields(record, fmt.columns)
+        rows.append(row._replace(fields=extra) if extra else row)
     return rows
+
+
+_SCALARS = (str, int, float, bool)
+
+
+def extra_fields(record: dict, used: tuple[str, ...]) -> Optional[dict]:
+    """The record's columns its format does not read, scalar values only (nested values are
+    left out: they would grow the step-3 cache and cannot be loaded with weights_only)."""
+    extra = {k: v for k, v in record.items()
+             if k not in used and isinstance(k, str) and (v is None or isinstance(v, _SCALARS))}
+    return extra or None
 
 
 # Stand-in record for a line that failed to parse (counted as a bad row).

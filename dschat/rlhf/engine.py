@@ -3,7 +3,9 @@
 actor (trained, wrapped in our HybridActor), reference (frozen copy of the SFT model),
 critic (trained, from the reward model), reward (frozen), optional EMA of the actor.
 As upstream, reference and reward run at ZeRO-3 when their trained partner does, else
-at stage 0.
+at stage 0. Only the actor is always built (dschat.rlhf.algorithm): critic-free
+algorithms build no critic (nor its optimizer), --kl_ctl 0 no reference, and no reward
+model is built without --critic_model_name_or_path or with its --reward_weights entry 0.
 """
 from __future__ import annotations
 
@@ -24,13 +26,13 @@ from dschat.utils.logging import print_rank_0
 @dataclass
 class RLHFEngines:
     actor: object          # deepspeed engine of the causal LM
-    ref: object
-    critic: object         # deepspeed engine of the RewardModel
-    reward: object
+    ref: object | None     # None with --kl_ctl 0
+    critic: object | None  # deepspeed engine of the RewardModel; None for critic-free algorithms
+    reward: object | None  # None without a reward model (reward functions only)
     ema: object | None
     hybrid: object         # dschat.engine.hybrid.HybridActor around `actor`
     actor_ds_config: dict
-    critic_ds_config: dict
+    critic_ds_config: dict | None
 
 
 def ptx_enabled(args) -> bool:
@@ -61,6 +63,7 @@ def ppo_optimizer_steps(ppo_steps: int, *, generation_batches: int, generation_b
 
 def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) -> RLHFEngines:
     from dschat.engine.hybrid import HybridActor
+    from dschat.rlhf.algorithm import uses_critic, uses_reference, uses_reward_model
 
     actor_cfg = train_ds_config(
         zero_stage=args.actor_zero_stage, dtype=args.dtype, offload=args.offload,
@@ -87,9 +90,13 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     # reference: the SFT model, frozen
     ref_cfg = eval_ds_config(zero_stage=frozen_stage(args.reference_zero_stage, args.actor_zero_stage),
                              dtype=args.dtype, offload=args.offload_reference_model)
-    ref = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
-    ref_engine = initialize_engine(ref, ref_cfg, hooks)
-    ref_engine.eval()  # frozen models never run dropout
+    ref_engine = None
+    if uses_reference(args):
+        ref = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
+        ref_engine = initialize_engine(ref, ref_cfg, hooks)
+        ref_engine.eval()  # frozen models never run dropout
+    else:
+        print_rank_0("no reference model (--kl_ctl 0): the KL term is 0")
 
     ema_engine = None
     if args.enable_ema:
@@ -97,25 +104,32 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
         ema_engine = initialize_engine(ema, ref_cfg, hooks)
         ema_engine.eval()
 
-    # critic: from the reward model, trained
-    critic = load_reward_model(args.critic_model_name_or_path, tokenizer, dropout=args.critic_dropout,
-                               flag="--critic_model_name_or_path")
-    critic.rwtransformer = apply_lora(critic.rwtransformer, args.critic_lora_dim,
-                                      args.critic_lora_module_name, args.only_optimize_lora)
-    if args.critic_gradient_checkpointing:
-        critic.gradient_checkpointing_enable()
-    opt = build_optimizer(critic, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay,
-                          lora_lr=args.critic_lora_learning_rate, offload=args.offload)
-    sched = build_lr_scheduler(opt, args.lr_scheduler_type, args.num_warmup_steps, num_total_iters)
-    critic_engine = initialize_engine(critic, critic_cfg, hooks, optimizer=opt, lr_scheduler=sched)
-    print_rank_0(f"critic engine ready (ZeRO-{args.critic_zero_stage})")
+    critic_engine = None
+    if uses_critic(args):  # critic: from the reward model, trained
+        critic = load_reward_model(args.critic_model_name_or_path, tokenizer, dropout=args.critic_dropout,
+                                   flag="--critic_model_name_or_path")
+        critic.rwtransformer = apply_lora(critic.rwtransformer, args.critic_lora_dim,
+                                          args.critic_lora_module_name, args.only_optimize_lora)
+        if args.critic_gradient_checkpointing:
+            critic.gradient_checkpointing_enable()
+        opt = build_optimizer(critic, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay,
+                              lora_lr=args.critic_lora_learning_rate, offload=args.offload)
+        sched = build_lr_scheduler(opt, args.lr_scheduler_type, args.num_warmup_steps, num_total_iters)
+        critic_engine = initialize_engine(critic, critic_cfg, hooks, optimizer=opt, lr_scheduler=sched)
+        print_rank_0(f"critic engine ready (ZeRO-{args.critic_zero_stage})")
+    else:
+        critic_cfg = None
+        print_rank_0(f"no critic (--algorithm {args.algorithm})")
 
-    # reward: the same reward model, frozen
-    reward_cfg = eval_ds_config(zero_stage=frozen_stage(args.reward_zero_stage, args.critic_zero_stage),
-                                dtype=args.dtype, offload=args.offload_reward_model)
-    reward = load_reward_model(args.critic_model_name_or_path, tokenizer, flag="--critic_model_name_or_path")
-    reward_engine = initialize_engine(reward, reward_cfg, hooks)
-    reward_engine.eval()
+    reward_engine = None
+    if uses_reward_model(args):  # reward: the same reward model, frozen
+        # without a critic the reward model follows the actor's stage (it has no partner)
+        partner = args.critic_zero_stage if critic_engine is not None else args.actor_zero_stage
+        reward_cfg = eval_ds_config(zero_stage=frozen_stage(args.reward_zero_stage, partner),
+                                    dtype=args.dtype, offload=args.offload_reward_model)
+        reward = load_reward_model(args.critic_model_name_or_path, tokenizer, flag="--critic_model_name_or_path")
+        reward_engine = initialize_engine(reward, reward_cfg, hooks)
+        reward_engine.eval()
 
     hybrid = HybridActor(
         actor_engine, enable_hybrid_engine=args.enable_hybrid_engine,

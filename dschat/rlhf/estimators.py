@@ -35,7 +35,7 @@ from dschat.rlhf.ppo_math import last_token_index, masked_mean, masked_sum_count
 __all__ = [
     "group_advantages", "rloo_advantages", "reinforce_pp_returns", "reinforce_pp_advantages",
     "broadcast_to_tokens", "KL_KINDS", "kl_estimate", "LOSS_AGG_MODES", "aggregate_loss",
-    "clipped_policy_loss", "AdaptiveKLController", "FixedKLController", "filter_groups",
+    "clipped_policy_loss", "clip_fractions", "AdaptiveKLController", "FixedKLController", "filter_groups",
     "overlong_penalty",
 ]
 
@@ -229,6 +229,24 @@ def clipped_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tens
     loss = aggregate_loss(torch.max(unclipped, clipped), mask, agg, norm_len)
     clip_fraction = masked_mean((clipped > unclipped).float(), mask)
     return loss, clip_fraction.detach()
+
+
+def clip_fractions(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                   cliprange_low: float = 0.2, cliprange_high: float = 0.2) -> Tuple[Tensor, Tensor]:
+    """``(low [], high [])``: shares of valid tokens whose update the clip stops, on each
+    side: ``ratio < 1 - low`` with a negative advantage, ``ratio > 1 + high`` with a
+    positive one (their sum is `clipped_policy_loss`'s clip fraction). Detached fp32;
+    advantages ``[B, T]`` or ``[B]``; DAPO's clip-higher watches the high side."""
+    if advantages.dim() == 1:
+        advantages = broadcast_to_tokens(advantages, mask)
+    keep = mask.bool()
+    log_ratio = torch.where(keep, logprobs.detach().float() - old_logprobs.detach().float(),
+                            torch.zeros((), device=logprobs.device))
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach().float()
+    low = masked_mean(((ratio < 1.0 - cliprange_low) & (adv < 0)).float(), mask)
+    high = masked_mean(((ratio > 1.0 + cliprange_high) & (adv > 0)).float(), mask)
+    return low, high
 
 
 # ---------------------------------------------------------------------------- KL coefficient

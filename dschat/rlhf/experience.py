@@ -25,11 +25,12 @@ class Experience:
     action_mask: Tensor        # [B, A]   1 on real answer tokens (attention_mask[:, P:])
     logprobs: Tensor           # [B, A]   fp32, actor log p(answer token) at generation time
     ref_logprobs: Tensor       # [B, A]   fp32, reference-model log p(answer token)
-    values: Tensor             # [B, A]   fp32, critic value of the state before each answer token
+    values: Tensor             # [B, A]   fp32, critic value of the state before each answer token (0 without a critic)
     rewards: Tensor            # [B]      fp32, reward-model score of the whole sequence (unclipped)
     prompt_lens: Tensor        # [B]      long, real (non-pad) prompt tokens per row; answers start at column P
-    advantages: Optional[Tensor] = None  # [B, A] fp32, GAE advantages, None until computed
-    returns: Optional[Tensor] = None     # [B, A] fp32, advantages + values, None until computed
+    advantages: Optional[Tensor] = None  # [B, A] fp32, GAE (or critic-free) advantages, None until computed
+    returns: Optional[Tensor] = None     # [B, A] fp32, advantages + values (critic-free: returns of
+    #                                      REINFORCE++, else the advantages), None until computed
 
     def __post_init__(self):
         self.validate()
@@ -78,6 +79,10 @@ class Experience:
     def detach(self) -> "Experience":
         """Copy of the batch with every tensor detached from the autograd graph."""
         return self._map(lambda t: t.detach())
+
+    def select(self, rows: Tensor) -> "Experience":
+        """The rows ``rows`` ([K] long indices or [B] bool) of the batch, in that order."""
+        return self._map(lambda t: t[rows.to(t.device)])
 
     def split(self, micro_batch_size: int) -> List["Experience"]:
         """Rows cut into consecutive micro-batches of ``micro_batch_size`` (the last may be smaller).

@@ -1,8 +1,15 @@
-"""PPO for step 3: experience generation, KL-penalised rewards, GAE, clipped updates, ptx."""
+"""Step 3: experience generation, rewards (reward model and/or --reward_fn functions),
+advantages (PPO's GAE or a critic-free estimator), clipped updates, ptx.
+
+--algorithm ppo with its defaults runs DS-Chat's PPO exactly (ppo_math's KL rewards, GAE,
+actor_loss, critic_loss). grpo / rloo / reinforce_pp take their advantages from
+dschat.rlhf.estimators and train the actor only.
+"""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -10,9 +17,12 @@ from torch.profiler import record_function
 from dschat.engine.distributed import all_reduce_mean, all_reduce_sum
 from dschat.engine.hybrid import logits_to_keep_kwargs, position_ids_for
 from dschat.engine.train_utils import lm_loss_sum
+from dschat.rlhf import estimators as est
 from dschat.rlhf import ppo_math as pm
 from dschat.rlhf.engine import RLHFEngines, update_ema
 from dschat.rlhf.experience import Experience
+from dschat.rlhf.reward_fn import RewardFunctionError, combine_rewards, score
+from dschat.utils import dist
 
 
 @dataclass
@@ -31,6 +41,37 @@ class PPOConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    # critic-free RL (dschat.rlhf.algorithm); the defaults are DS-Chat's PPO
+    algorithm: str = "ppo"
+    n_samples_per_prompt: int = 1     # answers per prompt, rows of a group contiguous
+    std_norm: bool = True             # grpo: divide by the group's std (False: Dr.GRPO)
+    kl_estimator: str = "k1"
+    kl_in: str = "reward"             # "reward": penalty in the rewards; "loss": a loss term
+    kl_target: Optional[float] = None  # adaptive KL coefficient (Ziegler) when set
+    kl_horizon: float = 10000.0
+    loss_agg: str = "token_mean"
+    cliprange_low: Optional[float] = None    # None: cliprange
+    cliprange_high: Optional[float] = None   # None: cliprange
+    overlong_buffer: int = 0          # DAPO soft overlong punishment over this many tokens (0: off)
+    skip_bad_rewards: bool = False
+    reward_weights: Optional[Sequence[float]] = None  # reward model (if any) first, then functions
+    filter_max_extra: int = 4         # --filter_groups: extra generation rounds at most per step
+
+    @property
+    def clip_low(self) -> float:
+        return self.cliprange if self.cliprange_low is None else self.cliprange_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.cliprange if self.cliprange_high is None else self.cliprange_high
+
+
+@dataclass
+class RewardFn:
+    """A loaded --reward_fn: short name (metric keys), label (messages), the function."""
+    name: str
+    label: str
+    fn: Callable
 
 
 def answer_mask(answers: torch.Tensor, eos_token_id, pad_token_id: int, chat=None) -> torch.Tensor:
@@ -56,7 +97,8 @@ def answer_mask(answers: torch.Tensor, eos_token_id, pad_token_id: int, chat=Non
 
 
 class PPOTrainer:
-    def __init__(self, engines: RLHFEngines, tokenizer, config: PPOConfig, scheduler=None, chat=None):
+    def __init__(self, engines: RLHFEngines, tokenizer, config: PPOConfig, scheduler=None, chat=None,
+                 reward_fns: Sequence[RewardFn] = ()):
         self.e = engines
         self.tokenizer = tokenizer
         self.cfg = config
@@ -72,17 +114,47 @@ class PPOTrainer:
         # losses identically on all ranks). None: always update.
         self.update_guard = None
         self._actor_updated = True   # the last PPO micro-batch's actor update ran
+        self.reward_fns = list(reward_fns)
+        if engines.reward is None and not self.reward_fns:
+            raise ValueError("PPOTrainer: no reward model and no reward function")
+        c = config
+        self.kl_ctl = (est.AdaptiveKLController(c.kl_ctl, c.kl_target, c.kl_horizon) if c.kl_target
+                       else est.FixedKLController(c.kl_ctl))
+        self.rollout_stats: dict = {}   # this rank's counters of the last rollout(s), for metrics
 
     # ------------------------------------------------------------------ experience
     @torch.no_grad()
-    def generate_experience(self, prompts: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[Experience | None, dict]:
-        """Generate answers for this rank's prompts and score them with all four models.
+    def generate_experience(self, prompts: torch.Tensor, prompt_mask: torch.Tensor,
+                            fields: Optional[list] = None) -> tuple[Experience | None, dict]:
+        """`rollout` and its advantages (`compute_advantages`): the experience of one batch."""
+        exp, timings = self.rollout(prompts, prompt_mask, fields)
+        if exp is not None:
+            self.compute_advantages(exp)
+        return exp, timings
+
+    @torch.no_grad()
+    def rollout(self, prompts: torch.Tensor, prompt_mask: torch.Tensor,
+                fields: Optional[list] = None) -> tuple[Experience | None, dict]:
+        """Generate answers for this rank's prompts and score them (actor, reference,
+        reward model and/or reward functions, critic); no advantages yet.
+
+        With --n_samples_per_prompt n every prompt is repeated n times, contiguously (row i
+        in group i // n), so a group never spans ranks or batches. `fields`: one dict per
+        prompt (the dataset row's other columns) for the reward functions.
 
         Returns (None, timings) on every rank when any rank has no valid answer (upstream
         drops answers of <= 1 token; under ZeRO-3 all ranks must take the same path).
         """
         timings = {}
         self.eval()
+        n = self.cfg.n_samples_per_prompt
+        if n > 1:
+            # The n copies are separate rows of the same generate call (HF generate or our
+            # fast decode on the hybrid engine's replica): each row's prefill is recomputed,
+            # not shared (neither path shares a KV-cache prefix between rows).
+            prompts, prompt_mask = prompts.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
+            if fields is not None:
+                fields = [f for f in fields for _ in range(n)]
         start = time.time()
         with record_function("dschat/generate"):
             seq = self.e.hybrid.generate(
@@ -106,6 +178,7 @@ class PPOTrainer:
         # removing them would give ranks different numbers of PPO micro-batches, and under
         # ZeRO-3 every rank must run the same forwards and backwards.
         attention_mask = torch.cat([prompt_mask.long(), action_mask], dim=1)
+        answer_tokens = action_mask        # before zeroing: what the reward functions read
         action_mask = action_mask * keep.unsqueeze(1).long()
 
         start = time.time()
@@ -114,30 +187,182 @@ class PPOTrainer:
             logits = self.e.hybrid.logits(seq, attention_mask, keep_last=keep)
             logprobs = pm.gather_log_probs(_answer_logits(logits, seq, P), pm.answer_tokens(seq, P))
             del logits
-        with record_function("dschat/score/reference"):
-            ref_logits = self.e.ref(input_ids=seq, attention_mask=attention_mask, use_cache=False,
-                                    **_positions(self.e.ref.module, attention_mask),
-                                    **logits_to_keep_kwargs(self.e.ref.module, keep)).logits
-            ref_logprobs = pm.gather_log_probs(_answer_logits(ref_logits, seq, P), pm.answer_tokens(seq, P))
-            del ref_logits
-        with record_function("dschat/score/reward"):
-            reward = self.e.reward.module.forward_value(seq, attention_mask)["chosen_end_scores"].float()
-        with record_function("dschat/score/critic"):
-            values = self.e.critic.module.forward_value(seq, attention_mask, return_value_only=True)
-            values = pm.answer_slice(values, P).float()
+        if self.e.ref is not None:
+            with record_function("dschat/score/reference"):
+                ref_logits = self.e.ref(input_ids=seq, attention_mask=attention_mask, use_cache=False,
+                                        **_positions(self.e.ref.module, attention_mask),
+                                        **logits_to_keep_kwargs(self.e.ref.module, keep)).logits
+                ref_logprobs = pm.gather_log_probs(_answer_logits(ref_logits, seq, P), pm.answer_tokens(seq, P))
+                del ref_logits
+        else:  # --kl_ctl 0: no reference model; the KL is 0
+            ref_logprobs = logprobs.clone()
+        reward, valid = self.score(seq, attention_mask, prompt_mask, answer_tokens, P, fields, timings)
+        action_mask = action_mask * valid.unsqueeze(1).long()   # --skip_bad_rewards: no loss on those
+        if self.e.critic is not None:
+            with record_function("dschat/score/critic"):
+                values = self.e.critic.module.forward_value(seq, attention_mask, return_value_only=True)
+                values = pm.answer_slice(values, P).float()
+        else:
+            values = torch.zeros_like(logprobs, dtype=torch.float32)
         timings["score_s"] = time.time() - start
         exp = Experience(prompts=prompts, seq=seq, attention_mask=attention_mask, action_mask=action_mask,
                          logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, rewards=reward,
                          prompt_lens=prompt_mask.long().sum(1))
-        rewards = pm.compute_kl_rewards(logprobs, ref_logprobs, reward, action_mask,
-                                        self.cfg.kl_ctl, self.cfg.clip_reward_value)
-        exp.advantages, exp.returns = pm.compute_gae(values, rewards, action_mask, self.cfg.gamma, self.cfg.lam)
         return exp, timings
+
+    def score(self, seq, attention_mask, prompt_mask, answer_tokens, P, fields, timings) -> tuple:
+        """Rewards of the rows: ``(reward [B] fp32, valid [B] bool)``.
+
+        The reward model's end score and each reward function's rewards, summed with
+        --reward_weights (reward model first), plus DAPO's overlong penalty. A reward
+        function's error on any rank is raised on every rank (no rank is left waiting in a
+        collective). --skip_bad_rewards: rows a function returned a non-finite value for are
+        not valid (no loss); with groups they take their group's mean of the valid rows, so
+        they move no baseline.
+        """
+        parts, valid = [], torch.ones(seq.shape[0], dtype=torch.bool, device=seq.device)
+        if self.e.reward is not None:
+            with record_function("dschat/score/reward"):
+                parts.append(self.e.reward.module.forward_value(seq, attention_mask)["chosen_end_scores"].float())
+        if self.reward_fns:
+            start = time.time()
+            with record_function("dschat/score/reward_fn"):
+                fn_rewards, fn_valid = self._call_reward_fns(seq, prompt_mask, answer_tokens, P, fields)
+            parts += [r.to(seq.device) for r in fn_rewards]
+            valid &= fn_valid.to(seq.device)
+            timings["reward_fn_s"] = time.time() - start
+            self.rollout_stats["bad_rewards"] = self.rollout_stats.get("bad_rewards", 0) + int((~valid).sum())
+            for fn, r in zip(self.reward_fns, fn_rewards):
+                self.rollout_stats.setdefault(f"reward_fn/{fn.name}", []).append(r.float().mean().item())
+        reward = combine_rewards(parts, self.cfg.reward_weights) if len(parts) > 1 or self.cfg.reward_weights \
+            else parts[0]
+        if self.cfg.overlong_buffer:
+            lengths = answer_tokens.sum(1)
+            reward = reward + est.overlong_penalty(lengths, self.cfg.max_answer_seq_len,
+                                                   self.cfg.overlong_buffer).to(reward.device)
+        reward = reward.float()
+        if not bool(valid.all()):
+            reward = torch.where(valid, reward, torch.zeros_like(reward))
+            n = self.cfg.n_samples_per_prompt
+            if n > 1:  # a bad row takes its group's mean of the valid rows (0 if none)
+                grouped, ok = reward.view(-1, n), valid.view(-1, n).float()
+                mean = (grouped * ok).sum(1, keepdim=True) / ok.sum(1, keepdim=True).clamp(min=1)
+                reward = torch.where(valid.view(-1, n), grouped, mean.expand_as(grouped)).reshape(-1)
+        return reward, valid
+
+    def _call_reward_fns(self, seq, prompt_mask, answer_tokens, P, fields):
+        """Every --reward_fn on this rank's rows: ([rewards [B]], valid [B]). Errors are
+        all-gathered first, so a function failing on one rank fails the run on all ranks
+        with the same message (naming function, rank and row)."""
+        tok = self.tokenizer
+        prompts = [tok.decode(seq[i, :P][prompt_mask[i].bool()], skip_special_tokens=True)
+                   for i in range(seq.shape[0])]
+        answers = [tok.decode(seq[i, P:][answer_tokens[i].bool()], skip_special_tokens=True)
+                   for i in range(seq.shape[0])]
+        rewards, valid, error = [], torch.ones(seq.shape[0], dtype=torch.bool), None
+        try:
+            for fn in self.reward_fns:
+                r, v = score(fn.fn, prompts, answers, fields, skip_bad=self.cfg.skip_bad_rewards, name=fn.label)
+                rewards.append(r)
+                valid &= v
+        except RewardFunctionError as e:
+            error = str(e)
+        errors = dist.all_gather_object(error)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            where, message = failed[0]
+            raise RewardFunctionError(f"{message} [rank {where}]")
+        return rewards, valid
+
+    @torch.no_grad()
+    def compute_advantages(self, exp: Experience) -> Experience:
+        """Fill ``exp.advantages`` / ``exp.returns`` for --algorithm (in place; returns exp).
+
+        ppo: KL-penalised token rewards (ppo_math, k1; estimators for k2/k3) and GAE.
+        grpo / rloo: sequence rewards (minus kl_coef x the answer's summed KL when the KL
+        goes in the reward) normalised within each group of n_samples_per_prompt rows.
+        reinforce_pp: REINFORCE++ returns, whitened over this rank's tokens.
+        """
+        c = self.cfg
+        coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0
+        mask = exp.action_mask
+        if c.algorithm == "ppo":
+            if c.kl_estimator == "k1":
+                rewards = pm.compute_kl_rewards(exp.logprobs, exp.ref_logprobs, exp.rewards, mask, coef,
+                                                c.clip_reward_value)
+            else:
+                kl = est.kl_estimate(exp.logprobs, exp.ref_logprobs, c.kl_estimator)
+                rewards = pm.compute_kl_rewards(exp.logprobs, exp.ref_logprobs, exp.rewards, mask, 0.0,
+                                                c.clip_reward_value)
+                rewards = rewards - coef * torch.where(mask.bool(), kl, torch.zeros_like(kl))
+            exp.advantages, exp.returns = pm.compute_gae(exp.values, rewards, mask, c.gamma, c.lam)
+        elif c.algorithm in ("grpo", "rloo"):
+            scores = exp.rewards.float()
+            if coef:
+                kl = est.kl_estimate(exp.logprobs, exp.ref_logprobs, c.kl_estimator)
+                scores = scores - coef * (kl * mask).sum(1)
+            adv = (est.group_advantages(scores, c.n_samples_per_prompt, std_norm=c.std_norm)
+                   if c.algorithm == "grpo" else est.rloo_advantages(scores, c.n_samples_per_prompt))
+            exp.advantages = est.broadcast_to_tokens(adv, mask)
+            exp.returns = exp.advantages
+        elif c.algorithm == "reinforce_pp":
+            exp.advantages, exp.returns = est.reinforce_pp_advantages(
+                exp.rewards, exp.logprobs, exp.ref_logprobs, mask, coef, c.gamma, c.kl_estimator,
+                c.clip_reward_value)
+        else:
+            raise ValueError(f"unknown algorithm {c.algorithm!r}")
+        return exp
+
+    @torch.no_grad()
+    def fill_groups(self, exp: Experience | None, more: Callable[[], Experience | None],
+                    target: int, max_extra: int) -> tuple[Experience | None, dict]:
+        """--filter_groups (DAPO dynamic sampling): drop groups whose rewards are all equal
+        (zero advantage) and refill from new prompts.
+
+        `exp`: a rollout (None when it was skipped); `more()`: the next rollout (None when
+        skipped, StopIteration when the prompts ran out); `target`: groups per rank wanted.
+        Every rank keeps its varied groups; rounds continue, on all ranks alike, until every
+        rank holds `target` or after `max_extra` extra rollouts. Every rank then trains on
+        the same number of groups (the least any rank holds, at most `target`), so all run
+        the same micro-batches; None when some rank holds none (the step is skipped).
+        Advantages are not computed here.
+        """
+        n = self.cfg.n_samples_per_prompt
+        kept, stats = [], {"groups_seen": 0, "groups_dropped": 0, "extra_rollouts": 0}
+
+        def take(e):
+            if e is None:
+                return
+            keep = est.filter_groups(e.rewards, n)
+            stats["groups_seen"] += keep.numel()
+            stats["groups_dropped"] += int((~keep).sum())
+            if keep.any():
+                kept.append(e.select(keep.repeat_interleave(n)))
+
+        take(exp)
+        while True:
+            have = sum(e.batch_size for e in kept) // n
+            least = int(-_all_reduce_max(torch.tensor(float(-have), device=self.e.actor.device)))
+            if least >= target or stats["extra_rollouts"] >= max_extra:
+                break
+            try:
+                nxt = more()
+            except StopIteration:
+                break
+            stats["extra_rollouts"] += 1
+            take(nxt)
+        least = min(least, target)
+        stats["groups_kept"] = least
+        if least == 0:
+            return None, stats
+        out = Experience.concat(kept, self.pad) if len(kept) > 1 else kept[0]
+        return out.select(torch.arange(least * n)), stats
 
     # ------------------------------------------------------------------ training
     def train_rlhf(self, exp: Experience) -> dict:
-        """One actor and one critic update on a micro-batch of experience."""
+        """One actor (and, under ppo, one critic) update on a micro-batch of experience."""
         P = exp.prompt_width
+        c = self.cfg
         self.train()
         # the same positions as generation and the experience pass (left-padded prompts)
         with record_function("dschat/train/actor_forward"):
@@ -145,10 +370,31 @@ class PPOTrainer:
             logits = self.e.actor(input_ids=exp.seq, attention_mask=exp.attention_mask, use_cache=False,
                                   **_positions(self.e.actor.module, exp.attention_mask),
                                   **logits_to_keep_kwargs(self.e.actor.module, keep)).logits
-            logprobs = pm.gather_log_probs(_answer_logits(logits, exp.seq, P), pm.answer_tokens(exp.seq, P))
-            a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
-                                           self.cfg.cliprange)
+            answer_logits = _answer_logits(logits, exp.seq, P)
+            logprobs = pm.gather_log_probs(answer_logits, pm.answer_tokens(exp.seq, P))
+            if c.clip_low == c.clip_high == c.cliprange and c.loss_agg == "token_mean":
+                # DS-Chat's loss (clipped_policy_loss computes the same numbers)
+                a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
+                                               c.cliprange)
+            else:
+                a_loss, a_clip = est.clipped_policy_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
+                                                         c.clip_low, c.clip_high, c.loss_agg, c.max_answer_seq_len)
+            stats = {}
+            if c.kl_in == "loss" and self.e.ref is not None and self.kl_ctl.value:
+                kl = est.aggregate_loss(est.kl_estimate(logprobs, exp.ref_logprobs, c.kl_estimator),
+                                        exp.action_mask, c.loss_agg, c.max_answer_seq_len)
+                stats["kl_loss"] = kl.detach()
+                a_loss = a_loss + self.kl_ctl.value * kl
+        with torch.no_grad():
+            low, high = est.clip_fractions(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
+                                           c.clip_low, c.clip_high)
+            stats.update(actor_clip_frac_low=low, actor_clip_frac_high=high,
+                         entropy=_masked_entropy(answer_logits, exp.action_mask))
+        del logits, answer_logits
         self._actor_updated = self._update("actor", a_loss, self.e.actor)
+        stats.update(actor_loss=a_loss.detach(), actor_clip_frac=a_clip)
+        if self.e.critic is None:
+            return stats
 
         with record_function("dschat/train/critic_forward"):
             values = self.e.critic.module.forward_value(exp.seq, exp.attention_mask, return_value_only=True)
@@ -156,8 +402,8 @@ class PPOTrainer:
             c_loss, c_clip = pm.critic_loss(values, exp.values, exp.returns, exp.action_mask,
                                             self.cfg.cliprange_value)
         self._update("critic", c_loss, self.e.critic)
-        return {"actor_loss": a_loss.detach(), "critic_loss": c_loss.detach(),
-                "actor_clip_frac": a_clip, "critic_clip_frac": c_clip}
+        stats.update(critic_loss=c_loss.detach(), critic_clip_frac=c_clip)
+        return stats
 
     def train_unsupervised(self, batch: dict) -> torch.Tensor:
         """ptx: the actor's LM loss on unsupervised text, weighted by --unsup_coef.
@@ -204,13 +450,20 @@ class PPOTrainer:
     def train(self) -> None:
         """Actor and critic in train mode for their updates; the frozen models stay in eval."""
         self.e.actor.train()
-        self.e.critic.train()
+        if self.e.critic is not None:
+            self.e.critic.train()
 
     def after_actor_updates(self) -> None:
         """The actor's weights changed: the replica must be refilled; the EMA follows."""
         self.e.hybrid.mark_weights_updated()
         if self.e.ema is not None:
             update_ema(self.e.ema.module, self.e.actor.module, self.cfg.ema_beta)
+
+    def update_kl(self, kl_per_answer: float, n_samples: int) -> float:
+        """The adaptive KL controller sees the step's KL (summed over each answer's tokens,
+        mean over answers: Ziegler's per-sample KL) and the samples it came from; the fixed
+        one ignores it. Returns the coefficient the next step uses."""
+        return self.kl_ctl.update(kl_per_answer, n_samples)
 
     # ------------------------------------------------------------------ metrics
     def params_left_gathered(self) -> int:
@@ -220,6 +473,36 @@ class PPOTrainer:
         engines = [self.e.actor, self.e.ref, self.e.critic, self.e.reward, self.e.ema]
         here = sum(len(params_left_gathered(e.module)) for e in engines if e is not None)
         return int(_all_reduce_max(torch.tensor(float(here), device=self.e.actor.device)))
+
+    def rollout_metrics(self, exp: Experience) -> dict:
+        """`experience_metrics` plus what the algorithm adds: advantage statistics, the KL
+        under each estimator and the coefficient, reward functions' means, bad rewards
+        skipped (summed over ranks and the step's rollouts). Resets the rollout counters."""
+        m = self.experience_metrics(exp)
+        if self.e.critic is None:
+            m.pop("ppo/value_mean")
+        mask = exp.action_mask
+        adv = exp.advantages.float()
+        sel = adv[mask.bool()]
+        empty = torch.zeros((), device=adv.device)
+        m["ppo/adv_mean"] = all_reduce_mean(pm.masked_mean(adv, mask)).item()
+        m["ppo/adv_std"] = all_reduce_mean(sel.std() if sel.numel() > 1 else empty).item()
+        m["ppo/adv_max"] = _all_reduce_max(sel.max() if sel.numel() else empty)
+        m["ppo/adv_min"] = _reduce_min(sel.min() if sel.numel() else empty)
+        m["ppo/kl_k2"] = all_reduce_mean(pm.masked_mean(
+            est.kl_estimate(exp.logprobs, exp.ref_logprobs, "k2"), mask)).item()
+        m["ppo/kl_coef"] = float(self.kl_ctl.value)
+        m["ppo/kl_estimator_k"] = float(self.cfg.kl_estimator[1])      # 1, 2 or 3: which ppo/kl_k* drives it
+        m["ppo/kl_in_loss"] = float(self.cfg.kl_in == "loss")
+        stats, self.rollout_stats = self.rollout_stats, {}
+        if self.reward_fns:
+            m["reward/bad_skipped"] = int(all_reduce_sum(torch.tensor(float(stats.get("bad_rewards", 0)),
+                                                                      device=adv.device)).item())
+            for fn in self.reward_fns:
+                values = stats.get(f"reward_fn/{fn.name}", [0.0])
+                m[f"reward/{fn.name}_mean"] = all_reduce_mean(torch.tensor(sum(values) / len(values),
+                                                                           device=adv.device)).item()
+        return m
 
     @staticmethod
     def experience_metrics(exp: Experience) -> dict:
@@ -243,6 +526,20 @@ class PPOTrainer:
             "gen/answer_len_max": _all_reduce_max(lengths.max()),
             "ppo/value_mean": all_reduce_mean(pm.masked_mean(exp.values, exp.action_mask)).item(),
         }
+
+
+def _reduce_min(value: torch.Tensor) -> float:
+    return -_all_reduce_max(-value.detach().float())
+
+
+def _masked_entropy(answer_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean entropy of the actor's next-token distribution over the answer tokens, one row
+    at a time (a [A, V] fp32 temporary rather than [B, A, V]); detached."""
+    total = torch.zeros((), device=answer_logits.device)
+    for row in range(answer_logits.shape[0]):
+        ent = pm.entropy_from_logits(answer_logits[row:row + 1].detach())
+        total = total + (ent * mask[row:row + 1]).sum()
+    return total / mask.sum().clamp(min=1)
 
 
 def _answer_logits(logits: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Tensor:

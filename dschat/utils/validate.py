@@ -227,9 +227,11 @@ def step3_problems(args) -> list[str]:
     if args.offload_reference_model and frozen_stage(args.reference_zero_stage, args.actor_zero_stage) != 3:
         out.append("--offload_reference_model needs the reference model at ZeRO-3: --actor_zero_stage 3 "
                    "(it follows the actor) or --reference_zero_stage 3; at stage 0 there is nothing to offload")
-    if args.offload_reward_model and frozen_stage(args.reward_zero_stage, args.critic_zero_stage) != 3:
+    # without a critic the reward model follows the actor's stage (dschat/rlhf/engine.py)
+    partner = args.critic_zero_stage if getattr(args, "algorithm", "ppo") == "ppo" else args.actor_zero_stage
+    if args.offload_reward_model and frozen_stage(args.reward_zero_stage, partner) != 3:
         out.append("--offload_reward_model needs the reward model at ZeRO-3: --critic_zero_stage 3 "
-                   "(it follows the critic) or --reward_zero_stage 3")
+                   "(it follows the critic; without one, the actor) or --reward_zero_stage 3")
     # LoRA
     out += _lora("actor_", args.actor_lora_dim, args.actor_lora_module_name)
     out += _lora("critic_", args.critic_lora_dim, args.critic_lora_module_name)
@@ -242,11 +244,14 @@ def step3_problems(args) -> list[str]:
         out.append("--unpin_actor_parameters needs --enable_hybrid_engine")
     if args.release_inference_cache and not args.enable_hybrid_engine:
         out.append("--release_inference_cache needs --enable_hybrid_engine")
+    out += _algorithm(args)
     # paths
     actor, critic = args.actor_model_name_or_path, args.critic_model_name_or_path
     if _missing_local(actor):
         out.append(f"--actor_model_name_or_path {actor}: no such file or folder")
-    if not os.path.isdir(critic):
+    if critic is None:
+        pass                     # whether one is needed is checked by _algorithm
+    elif not os.path.isdir(critic):
         out.append(f"--critic_model_name_or_path {critic}: no such folder (pass the step-2 output folder)")
     elif not is_reward_checkpoint(critic):
         out.append(f"--critic_model_name_or_path {critic} is not a reward model (no reward_model.json "
@@ -256,7 +261,7 @@ def step3_problems(args) -> list[str]:
     else:
         for sub, flag, path in (("actor", "actor_model_name_or_path", actor),
                                 ("critic", "critic_model_name_or_path", critic)):
-            if _same_path(Path(args.output_dir) / sub, path) or _same_path(args.output_dir, path):
+            if path and _same_path(Path(args.output_dir) / sub, path) or _same_path(args.output_dir, path):
                 out.append(f"--output_dir {args.output_dir} would overwrite --{flag} {path} "
                            f"(the run writes {sub}/ there); pick another --output_dir")
     total = args.max_prompt_seq_len + args.max_answer_seq_len
@@ -266,6 +271,80 @@ def step3_problems(args) -> list[str]:
         out.append(f"--unsupervised_dataset_name {args.unsupervised_dataset_name}: no such file or folder")
     out += _data_split(args) + _data_paths(args)
     out += checkpoint_problems(args)
+    return out
+
+
+def _algorithm(args) -> list[str]:
+    """--algorithm and the critic-free flags (dschat/rlhf/algorithm.py): one line per problem."""
+    from dschat.rlhf.algorithm import GROUP_ALGORITHMS, reward_fn_specs, reward_weights
+    from dschat.rlhf.reward_fn import RewardFunctionError, load_reward_fn
+
+    out, algo, n = [], args.algorithm, args.n_samples_per_prompt
+    sampling = any(v is not None for v in (args.temperature, args.top_p, args.top_k))
+    out += _at_least(args, ("n_samples_per_prompt", "filter_groups_max_extra"), 1)
+    out += _at_least(args, ("overlong_penalty",), 0)
+    if algo in GROUP_ALGORITHMS and n < 2:
+        out.append(f"--algorithm {algo} needs --n_samples_per_prompt >= 2 (it compares the answers to one "
+                   f"prompt), got {n}")
+    if n >= 1 and args.per_device_generation_batch_size % n:
+        out.append(f"--per_device_generation_batch_size {args.per_device_generation_batch_size} (answers per "
+                   f"rank) is not a multiple of --n_samples_per_prompt {n}")
+    if n > 1 and not sampling:
+        out.append(f"--n_samples_per_prompt {n} with greedy decoding gives {n} identical answers; sample with "
+                   "--temperature, --top_p or --top_k")
+    if args.filter_groups and n < 2:
+        out.append("--filter_groups needs groups: --n_samples_per_prompt >= 2")
+    if args.filter_groups and args.unsupervised_dataset_name:
+        out.append("--filter_groups cannot be combined with --unsupervised_dataset_name (ptx batches are cut "
+                   "like full generation batches; a filtered batch is smaller)")
+    if args.no_std_norm and algo != "grpo":
+        out.append(f"--no_std_norm applies to --algorithm grpo only, not {algo}")
+    if args.kl_ctl < 0:
+        out.append(f"--kl_ctl must be >= 0, got {args.kl_ctl}")
+    if args.kl_target is not None:
+        if args.kl_target <= 0:
+            out.append(f"--kl_target must be > 0, got {args.kl_target}")
+        if args.kl_ctl == 0:
+            out.append("--kl_target needs --kl_ctl > 0 (the adaptive coefficient starts there and scales it)")
+    if args.kl_horizon <= 0:
+        out.append(f"--kl_horizon must be > 0, got {args.kl_horizon}")
+    for flag in ("cliprange_low", "cliprange_high"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            out.append(f"--{flag} must be > 0, got {value}")
+    if args.cliprange_low is not None and args.cliprange_low >= 1:
+        out.append(f"--cliprange_low must be < 1 (the ratio's lower bound is 1 - it), got {args.cliprange_low}")
+    if args.overlong_penalty > args.max_answer_seq_len:
+        out.append(f"--overlong_penalty {args.overlong_penalty} exceeds --max_answer_seq_len "
+                   f"{args.max_answer_seq_len}")
+    # rewards: a reward model, reward functions, or both
+    specs = reward_fn_specs(args)
+    for spec in specs:
+        try:
+            load_reward_fn(spec)
+        except RewardFunctionError as e:
+            out.append(str(e))
+    critic = args.critic_model_name_or_path
+    if algo == "ppo" and not critic:
+        out.append("--algorithm ppo needs --critic_model_name_or_path (the critic's value network starts from "
+                   "the reward model; give it weight 0 in --reward_weights to score with --reward_fn only)")
+    elif not critic and not specs:
+        out.append(f"--algorithm {algo} needs a reward: --critic_model_name_or_path (a reward model) and/or "
+                   "--reward_fn FILE.py:FUNCTION")
+    try:
+        weights = reward_weights(args)
+    except ValueError:
+        out.append(f"--reward_weights {','.join(args.reward_weights)}: expected numbers")
+        weights = None
+    if weights is not None:
+        expected = len(specs) + (1 if critic else 0)
+        if len(weights) != expected:
+            what = " + ".join((["1 for the reward model"] if critic else []) + [f"{len(specs)} for --reward_fn"])
+            out.append(f"--reward_weights has {len(weights)} weights; expected {expected} ({what})")
+        elif weights and all(w == 0 for w in weights):
+            out.append("--reward_weights are all 0: nothing would reward the answers")
+    if args.skip_bad_rewards and not specs:
+        out.append("--skip_bad_rewards applies to --reward_fn rewards; none given")
     return out
 
 

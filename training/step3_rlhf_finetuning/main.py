@@ -11,6 +11,14 @@ DeepSpeed's `hybrid_engine` block: the actor's ZeRO-3 shards are gathered once p
 rollout into a persistent inference replica by the shared gather scheduler, generation
 runs on the replica, and training goes on with ZeRO's own hooks. Writes actor/, critic/
 (and actor_ema/) under --output_dir, with metrics.jsonl and the resolved configuration.
+
+Critic-free RL (no critic engine, optimizer or critic/ folder), e.g. GRPO on a verifiable task:
+
+    deepspeed training/step3_rlhf_finetuning/main.py --algorithm grpo --n_samples_per_prompt 8 \
+        --reward_fn dschat/tasks/arithmetic.py:exact_match_reward --temperature 1.0 \
+        --actor_model_name_or_path output/step1 --data_path data/arith --actor_zero_stage 3 \
+        --enable_hybrid_engine --output_dir output/grpo
+
 `--save_interval N` (PPO steps) writes resumable checkpoints under --output_dir/checkpoints/
 (actor, critic, EMA, data position, RNGs incl. the sampling generator); `--resume` continues
 from the newest complete one.
@@ -28,12 +36,15 @@ from dschat.data import DataCollatorRLHF, create_prompt_dataset, create_unsuperv
 from dschat.data.chat import ChatFormat
 from dschat.data.tokenize import end_of_conversation_text
 from dschat.engine.gather import get_scheduler
-from dschat.engine.distributed import all_reduce_mean, init_distributed, peak_memory_gib, rank
+from dschat.engine.distributed import all_reduce_mean, all_reduce_sum, init_distributed, peak_memory_gib, rank
 from dschat.engine.train_utils import abandon_accumulation, make_loader, to_device
 from dschat.models.model_utils import load_tokenizer, save_hf_format
 from dschat.models.reward_model import save_reward_model
+from dschat.rlhf.algorithm import ALGORITHMS, kl_settings, reward_fn_specs, reward_weights, uses_reward_model
 from dschat.rlhf.engine import build_rlhf_engines, ppo_optimizer_steps
-from dschat.rlhf.trainer import PPOConfig, PPOTrainer
+from dschat.rlhf.estimators import KL_KINDS, LOSS_AGG_MODES
+from dschat.rlhf.reward_fn import describe, load_reward_fn
+from dschat.rlhf.trainer import PPOConfig, PPOTrainer, RewardFn
 from dschat.utils import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
 from dschat.utils.logging import print_rank_0
@@ -55,8 +66,11 @@ def parse_args(argv=None):
     g.add_argument("--preprocessing_num_workers", type=int, default=None, help="Kept for DS-Chat compatibility.")
     g = p.add_argument_group("models")
     g.add_argument("--actor_model_name_or_path", type=str, required=True, help="Step-1 output folder (or config).")
-    g.add_argument("--critic_model_name_or_path", type=str, required=True,
-                   help="Step-2 output folder: a reward model (ours or DS-Chat's format). Also the reward model.")
+    g.add_argument("--critic_model_name_or_path", type=str, default=None,
+                   help="Step-2 output folder: a reward model (ours or DS-Chat's format). It initialises the "
+                        "critic (--algorithm ppo: required, even when only --reward_fn rewards: give the "
+                        "reward model its weight 0 in --reward_weights to leave it out of the rewards) and is "
+                        "the reward model. Optional for critic-free algorithms given --reward_fn.")
     g.add_argument("--num_padding_at_beginning", type=int, default=None,
                    help="Kept for DS-Chat compatibility; sequence ends are read from attention masks.")
     g = p.add_argument_group("PPO")
@@ -80,15 +94,70 @@ def parse_args(argv=None):
     g.add_argument("--output_dir", type=str, default=None, help="Where actor/, critic/ and metrics go.")
     g.add_argument("--seed", type=int, default=1234, help="Seed (sampling is seeded per rank from it).")
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
-    g.add_argument("--kl_ctl", type=float, default=0.1, help="KL penalty coefficient.")
+    g.add_argument("--kl_ctl", type=float, default=0.1,
+                   help="KL penalty coefficient (the start value with --kl_target); 0 builds no reference model.")
     g.add_argument("--clip_reward_value", type=float, default=5.0, help="Reward score clipped to +-this.")
-    g.add_argument("--cliprange", type=float, default=0.2, help="PPO ratio clip.")
+    g.add_argument("--cliprange", type=float, default=0.2,
+                   help="PPO ratio clip (both sides unless --cliprange_low/--cliprange_high).")
     g.add_argument("--cliprange_value", type=float, default=0.2, help="Value clip of the critic loss.")
     g.add_argument("--gamma", type=float, default=1.0, help="GAE discount.")
     g.add_argument("--lam", type=float, default=0.95, help="GAE lambda.")
     g.add_argument("--temperature", type=float, default=None, help="Sample with this temperature (default: greedy).")
     g.add_argument("--top_p", type=float, default=None, help="Nucleus sampling (implies sampling).")
     g.add_argument("--top_k", type=int, default=None, help="Top-k sampling (implies sampling).")
+    g = p.add_argument_group("algorithm (critic-free RL)")
+    g.add_argument("--algorithm", choices=ALGORITHMS, default="ppo",
+                   help="ppo: DS-Chat's PPO with a critic (GAE). grpo: group-normalised rewards (GRPO; "
+                        "Dr.GRPO with --no_std_norm). rloo: leave-one-out baseline. reinforce_pp: REINFORCE++ "
+                        "(KL-penalised token returns whitened over the batch). The last three build no critic.")
+    g.add_argument("--n_samples_per_prompt", type=int, default=1,
+                   help="Answers sampled per prompt. Each prompt is repeated N times, contiguously, inside one "
+                        "generation batch (--per_device_generation_batch_size counts answers and must be a "
+                        "multiple of N), so a group never spans ranks or batches. grpo/rloo need N >= 2 and "
+                        "sampling (--temperature/--top_p/--top_k).")
+    g.add_argument("--no_std_norm", action="store_true",
+                   help="grpo: do not divide advantages by the group's std (Dr.GRPO).")
+    g.add_argument("--kl_estimator", choices=KL_KINDS, default=None,
+                   help="KL(actor || reference) estimator per token: k1 = logprobs - ref_logprobs, "
+                        "k2 = (log ratio)^2 / 2, k3 = r - 1 - log r. Default: k1 for ppo and reinforce_pp, "
+                        "k3 for grpo and rloo.")
+    g.add_argument("--kl_in", choices=("reward", "loss"), default=None,
+                   help="Where the KL penalty goes: into the rewards (default for ppo and reinforce_pp, as "
+                        "upstream) or as a loss term kl_ctl x KL (default for grpo and rloo, as TRL/DeepSeek).")
+    g.add_argument("--kl_target", type=float, default=None,
+                   help="Adaptive KL coefficient (Ziegler et al. 2019): start at --kl_ctl and move it so the "
+                        "KL per answer (nats, summed over its tokens) approaches this. Default: off (fixed --kl_ctl).")
+    g.add_argument("--kl_horizon", type=float, default=10000,
+                   help="Adaptive KL: samples over which the coefficient changes by at most 20%%.")
+    g.add_argument("--loss_agg", choices=LOSS_AGG_MODES, default="token_mean",
+                   help="How per-token policy losses become one: token_mean (DS-Chat, DAPO), "
+                        "seq_mean_token_mean (GRPO paper), seq_mean_token_sum_norm (Dr.GRPO: each answer's "
+                        "sum / --max_answer_seq_len).")
+    g.add_argument("--cliprange_low", type=float, default=None,
+                   help="Lower ratio clip (1 - this). Default: --cliprange.")
+    g.add_argument("--cliprange_high", type=float, default=None,
+                   help="Upper ratio clip (1 + this; DAPO's clip-higher uses 0.28). Default: --cliprange.")
+    g.add_argument("--filter_groups", action="store_true",
+                   help="DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and "
+                        "refill the batch with new prompts' groups, at most --filter_groups_max_extra extra "
+                        "generations per step; the ranks then train on the same number of groups. Needs "
+                        "--n_samples_per_prompt >= 2.")
+    g.add_argument("--filter_groups_max_extra", type=int, default=4,
+                   help="--filter_groups: extra generation rounds per step at most.")
+    g.add_argument("--overlong_penalty", type=int, default=0, metavar="BUFFER",
+                   help="DAPO soft overlong punishment: a reward going linearly from 0 to -1 over the last "
+                        "BUFFER tokens before --max_answer_seq_len (0: off).")
+    g.add_argument("--reward_fn", action="append", default=None, metavar="FILE.py:FUNCTION",
+                   help="A Python reward function fn(prompts, answers, **row_fields) -> one number per answer "
+                        "(dschat/rlhf/reward_fn.py); repeatable or comma-separated. Gets the dataset row's "
+                        "other columns (e.g. 'answer') as keywords.")
+    g.add_argument("--reward_weights", action="append", default=None,
+                   help="Weights of the rewards, summed: the reward model's first (when "
+                        "--critic_model_name_or_path is given), then each --reward_fn in order; "
+                        "comma-separated or repeated. Default: 1 each.")
+    g.add_argument("--skip_bad_rewards", action="store_true",
+                   help="A reward function's non-finite (or None) value masks that answer out of the losses "
+                        "(counted in reward/bad_skipped) instead of stopping the run.")
     g = p.add_argument_group("hybrid engine (ours)")
     g.add_argument("--enable_hybrid_engine", action="store_true",
                    help="Generate on a persistent inference replica filled from the ZeRO shards.")
@@ -161,11 +230,30 @@ def parse_args(argv=None):
 
 def ppo_config(args) -> PPOConfig:
     do_sample = any(v is not None for v in (args.temperature, args.top_p, args.top_k))
+    kl_estimator, kl_in = kl_settings(args)
+    weights = reward_weights(args)
+    if weights is not None and args.critic_model_name_or_path and not uses_reward_model(args):
+        weights = weights[1:]    # the reward model's weight 0: it is not built, so not among the rewards
     return PPOConfig(kl_ctl=args.kl_ctl, clip_reward_value=args.clip_reward_value, cliprange=args.cliprange,
                      cliprange_value=args.cliprange_value, gamma=args.gamma, lam=args.lam,
                      max_answer_seq_len=args.max_answer_seq_len, min_answer_seq_len=args.min_answer_seq_len,
                      unsup_coef=args.unsup_coef, do_sample=do_sample,
-                     temperature=args.temperature or 1.0, top_k=args.top_k or 0, top_p=args.top_p or 1.0)
+                     temperature=args.temperature or 1.0, top_k=args.top_k or 0, top_p=args.top_p or 1.0,
+                     algorithm=args.algorithm, n_samples_per_prompt=args.n_samples_per_prompt,
+                     std_norm=not args.no_std_norm, kl_estimator=kl_estimator, kl_in=kl_in,
+                     kl_target=args.kl_target, kl_horizon=args.kl_horizon, loss_agg=args.loss_agg,
+                     cliprange_low=args.cliprange_low, cliprange_high=args.cliprange_high,
+                     overlong_buffer=args.overlong_penalty, skip_bad_rewards=args.skip_bad_rewards,
+                     reward_weights=weights, filter_max_extra=args.filter_groups_max_extra)
+
+
+def reward_functions(args) -> list[RewardFn]:
+    """The loaded --reward_fn functions, in order."""
+    out = []
+    for spec in reward_fn_specs(args):
+        fn = load_reward_fn(spec)
+        out.append(RewardFn(name=getattr(fn, "__name__", spec.rpartition(":")[2]), label=describe(fn), fn=fn))
+    return out
 
 
 def dump_generations(path, step, exp, tokenizer, this_rank):
@@ -229,13 +317,17 @@ def main(argv=None):
 
     tokenizer = load_tokenizer(args.actor_model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
+    reward_fns = reward_functions(args)
+    # with reward functions the prompt rows carry their other columns (e.g. "answer") to them
     prompt_data, _ = create_prompt_dataset(args.local_rank, args.data_path, args.data_split,
                                            args.data_output_path, 3, args.seed, tokenizer, args.max_prompt_seq_len,
-                                           chat_template=args.chat_template)
+                                           chat_template=args.chat_template, row_fields=bool(reward_fns))
     eot = end_of_conversation_text(tokenizer, args.eot_token if args.add_eot_token else None)
     chat = ChatFormat(tokenizer, args.chat_template, eot, args.stop_strings)
     print_rank_0(f"step 3: conversations as {chat.describe()}; generation stops at token ids {list(chat.stop_token_ids)}")
-    prompt_loader = make_loader(prompt_data, args.per_device_generation_batch_size,
+    # --per_device_generation_batch_size counts answers: each prompt is answered n times
+    prompts_per_batch = args.per_device_generation_batch_size // args.n_samples_per_prompt
+    prompt_loader = make_loader(prompt_data, prompts_per_batch,
                                 DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id),
                                 shuffle=True, seed=args.seed, drop_last=True)
     unsup_loader = None
@@ -248,8 +340,9 @@ def main(argv=None):
                                    drop_last=True)
     if len(prompt_loader) == 0:
         raise_problems([f"{len(prompt_data)} prompts fit --max_prompt_seq_len, fewer than one batch of "
-                        f"--per_device_generation_batch_size {args.per_device_generation_batch_size} "
-                        f"on each of {world} ranks"])
+                        f"{prompts_per_batch} prompts (--per_device_generation_batch_size "
+                        f"{args.per_device_generation_batch_size} / --n_samples_per_prompt "
+                        f"{args.n_samples_per_prompt}) on each of {world} ranks"])
     if unsup_loader is not None and len(unsup_loader) == 0:
         raise_problems([f"{len(unsup_data)} rows of --unsupervised_dataset_name, fewer than one batch of "
                         f"--per_device_generation_batch_size {args.per_device_generation_batch_size} "
@@ -270,7 +363,7 @@ def main(argv=None):
                  f"critic dropout {args.critic_dropout}")
 
     engines = build_rlhf_engines(args, tokenizer, num_total_iters)
-    trainer = PPOTrainer(engines, tokenizer, ppo_config(args), chat=chat)
+    trainer = PPOTrainer(engines, tokenizer, ppo_config(args), chat=chat, reward_fns=reward_fns)
     run_config = resolved_config(args, actor_ds_config=engines.actor_ds_config,
                                  critic_ds_config=engines.critic_ds_config, world_size=world,
                                  prompts=len(prompt_data))
@@ -278,7 +371,8 @@ def main(argv=None):
 
     sampling_rng = getattr(engines.hybrid, "_generator", None)
     ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last,
-                        engines={"actor": engines.actor, "critic": engines.critic},
+                        engines={"actor": engines.actor,
+                                 **({"critic": engines.critic} if engines.critic is not None else {})},
                         modules={"ema": engines.ema.module} if engines.ema is not None else {},
                         generators={"hybrid": sampling_rng} if sampling_rng is not None else {})
     guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
@@ -287,6 +381,7 @@ def main(argv=None):
     unsup_done = resumed.state["unsup_in_epoch"] if resumed else 0
     if resumed:
         engines.hybrid.mark_weights_updated()  # the replica must be refilled from the loaded shards
+        trainer.kl_ctl.value = resumed.state.get("kl_coef", trainer.kl_ctl.value)
 
     def update_guard(name, loss, engine) -> bool:
         """Skip (on every rank) an actor/critic update whose loss is not finite anywhere."""
@@ -303,12 +398,12 @@ def main(argv=None):
 
     def save():
         return ckpt.save(step, {"epoch": epoch, "batches_in_epoch": batches_done, "unsup_in_epoch": unsup_done,
-                                "nonfinite": guard.state(), "config": run_config})
+                                "nonfinite": guard.state(), "config": run_config, "kl_coef": trainer.kl_ctl.value})
 
     profiler = StepProfiler(args.profile_step, args.profile_dir or os.path.join(args.output_dir, "profile"),
                             rank(), device)
     buffer, unsup_buffer = [], []
-    progress = tqdm(total=total_steps, initial=step, desc="step 3 (PPO)", disable=rank() != 0)
+    progress = tqdm(total=total_steps, initial=step, desc=f"step 3 ({args.algorithm})", disable=rank() != 0)
     epoch = start_epoch
     for epoch in range(start_epoch, args.num_train_epochs):
         if step >= total_steps:
@@ -320,7 +415,7 @@ def main(argv=None):
         if unsup_loader is not None:  # the same order as an uninterrupted run: rest of a pass, then cycles
             unsup_iter = chain(skip_batches(unsup_loader, unsup_done % len(unsup_loader)), cycle(unsup_loader)) \
                 if unsup_done % len(unsup_loader) else cycle(unsup_loader)
-        batches = skip_batches(prompt_loader, batches_done)
+        batches = iter(skip_batches(prompt_loader, batches_done))
         ckpt.restore_rng(resumed)  # once, where the interrupted run stood
         for batch in batches:
             if step >= total_steps:
@@ -328,7 +423,27 @@ def main(argv=None):
             step_start = time.time()
             profiler.begin(step + 1)
             batch = to_device(batch, device)
-            exp, timings = trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"])
+            fields = {"fields": batch["fields"]} if "fields" in batch else {}
+            filter_stats = None
+            if args.filter_groups:
+                exp, timings = trainer.rollout(batch["prompt"], batch["prompt_att_mask"], **fields)
+
+                def more():
+                    """The next batch's rollout for the refill (its prompts count as consumed)."""
+                    nonlocal batches_done
+                    extra = to_device(next(batches), device)   # StopIteration ends the refill
+                    batches_done += 1
+                    kw = {"fields": extra["fields"]} if "fields" in extra else {}
+                    out, extra_timings = trainer.rollout(extra["prompt"], extra["prompt_att_mask"], **kw)
+                    for k, v in extra_timings.items():
+                        timings[k] = timings.get(k, 0.0) + v
+                    return out
+
+                exp, filter_stats = trainer.fill_groups(exp, more, prompts_per_batch, args.filter_groups_max_extra)
+                if exp is not None:
+                    trainer.compute_advantages(exp)
+            else:
+                exp, timings = trainer.generate_experience(batch["prompt"], batch["prompt_att_mask"], **fields)
             step += 1
             batches_done += 1
             progress.update(1)
@@ -341,7 +456,11 @@ def main(argv=None):
                 if unsup_iter is not None:
                     unsup_buffer.append(to_device(next(unsup_iter), device))
                     unsup_done += 1
-                record = {**PPOTrainer.experience_metrics(exp), **{f"time/{k}": v for k, v in timings.items()}}
+                record = {**trainer.rollout_metrics(exp), **{f"time/{k}": v for k, v in timings.items()}}
+                if filter_stats is not None:
+                    record.update({f"filter/{k}": int(all_reduce_sum(torch.tensor(float(v))).item())
+                                   for k, v in filter_stats.items() if k != "groups_kept"})
+                    record["filter/groups_kept_per_rank"] = filter_stats["groups_kept"]
                 if args.dump_generations:
                     dump_generations(args.dump_generations, step, exp, tokenizer, rank())
                 if args.print_answers and step % args.print_answers_interval == 0 and rank() == 0:
@@ -360,6 +479,7 @@ def main(argv=None):
                     record["memory/peak_gib"] = peak_memory_gib(device)
                     record["zero/params_left_gathered"] = trainer.params_left_gathered()
                     record["ppo/samples_per_s"] = exp.batch_size * world / record["time/step_s"]
+                    trainer.update_kl(record["ppo/kl_per_answer"], exp.batch_size * world)
                     record["train/skipped_nonfinite"] = guard.skipped
                     metrics.log(step, record)
                     progress.set_postfix(reward=f"{record['ppo/reward_mean']:.3f}", kl=f"{record['ppo/kl']:.3f}")
@@ -375,7 +495,8 @@ def main(argv=None):
 
     def write_models():
         save_hf_format(engines.actor, tokenizer, os.path.join(args.output_dir, "actor"), rank=rank())
-        save_reward_model(engines.critic, tokenizer, os.path.join(args.output_dir, "critic"), rank=rank())
+        if engines.critic is not None:  # critic-free algorithms have no critic to save
+            save_reward_model(engines.critic, tokenizer, os.path.join(args.output_dir, "critic"), rank=rank())
         if engines.ema is not None:
             save_hf_format(engines.ema, tokenizer, os.path.join(args.output_dir, "actor_ema"), rank=rank())
 
@@ -383,7 +504,7 @@ def main(argv=None):
     if rank() == 0:
         save_json(run_config, os.path.join(args.output_dir, "training_config.json"))
     metrics.close()
-    print_rank_0(f"saved actor/ and critic/ to {args.output_dir}")
+    print_rank_0(f"saved actor/{' and critic/' if engines.critic is not None else ''} to {args.output_dir}")
 
 
 if __name__ == "__main__":
