@@ -110,7 +110,7 @@ def parse_args(argv=None):
                    help="ppo: DS-Chat's PPO with a critic (GAE). grpo: group-normalised rewards (GRPO; "
                         "Dr.GRPO with --no_std_norm). rloo: leave-one-out baseline. reinforce_pp: REINFORCE++ "
                         "(KL-penalised token returns whitened over the batch). The last three build no critic.")
-    g.add_argument("--n_samples_per_prompt", type=int, default=1,
+    g.add_argument("--n_samples_per_prompt", type=int, default=1, metavar="N",
                    help="Answers sampled per prompt. Each prompt is repeated N times, contiguously, inside one "
                         "generation batch (--per_device_generation_batch_size counts answers and must be a "
                         "multiple of N), so a group never spans ranks or batches. grpo/rloo need N >= 2 and "
@@ -151,7 +151,7 @@ def parse_args(argv=None):
                    help="A Python reward function fn(prompts, answers, **row_fields) -> one number per answer "
                         "(dschat/rlhf/reward_fn.py); repeatable or comma-separated. Gets the dataset row's "
                         "other columns (e.g. 'answer') as keywords.")
-    g.add_argument("--reward_weights", action="append", default=None,
+    g.add_argument("--reward_weights", action="append", default=None, metavar="W[,W...]",
                    help="Weights of the rewards, summed: the reward model's first (when "
                         "--critic_model_name_or_path is given), then each --reward_fn in order; "
                         "comma-separated or repeated. Default: 1 each.")
