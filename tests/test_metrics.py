@@ -47,6 +47,18 @@ def test_jsonl_written_flushed_and_readable(tmp_path, monkeypatch):
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 3
 
 
+def test_a_restarted_run_supersedes_the_steps_it_logs_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    with MetricsLogger(tmp_path / "run") as first:  # killed after step 3 (eval logged at step 2)
+        for step in (1, 2, 2, 3):
+            first.log(step, {"train/loss": 10.0 + step})
+    with MetricsLogger(tmp_path / "run") as again:  # resumed from a checkpoint at step 1
+        for step in (2, 3, 4):
+            again.log(step, {"train/loss": float(step)})
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], r["train/loss"]) for r in records] == [(1, 11.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+
+
 def test_non_numeric_value_names_the_key(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with MetricsLogger(tmp_path) as logger:

@@ -112,17 +112,28 @@ class MetricsLogger:
 
 
 def read_metrics(path) -> list:
-    """Records of a metrics.jsonl file, in order; lines that are not JSON (a line torn by a crash) are skipped."""
+    """Records of a metrics.jsonl file, in order; lines that are not JSON (a line torn by a crash) are skipped.
+
+    The file is appended to, so a run restarted after a crash (from scratch, or resumed from a
+    checkpoint older than its last logged step) logs some steps again: where the step counter
+    goes back, the records of the earlier attempt from that step on are dropped."""
     records = []
+    last = None
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             line = line.strip()
             if not line:
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(step, int) and isinstance(last, int) and step < last:
+                records = [r for r in records if not (isinstance(r.get("step"), int) and r["step"] >= step)]
+            if isinstance(step, int):
+                last = step
+            records.append(record)
     return records
 
 
