@@ -165,7 +165,7 @@ def main(argv=None):
         raise SystemExit(f"--repeats must be at least 1 (got {args.repeats})")
     import deepspeed
     from dschat.engine.config import eval_ds_config
-    from dschat.engine.distributed import init_distributed, rank, world_size
+    from dschat.utils.dist import get_rank, get_world_size, init_distributed
     from dschat.engine import gather as gather_mod
     from dschat.engine.hybrid import HybridActor
 
@@ -181,7 +181,7 @@ def main(argv=None):
         layers = model.config.num_hidden_layers
         gen_kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                           pad_token_id=0, eos_token_id=1)
-        prompts = {batch: make_prompts(batch, args.prompt_len, vocab, device, rank()) for batch in args.batch}
+        prompts = {batch: make_prompts(batch, args.prompt_len, vocab, device, get_rank()) for batch in args.batch}
         ref_tokens = {}   # batch -> the first mode's tokens (plain HF's when it runs)
 
         def record(batch, mode, out, runs, secs, peak, gather_s=0.0, extra=None):
@@ -190,9 +190,9 @@ def main(argv=None):
             same = float("nan") if ref is new else (new == ref).all(dim=1).float().mean().item()
             rows.append(dict(model=name, batch=batch, mode=mode, tokens_per_s=new.numel() / secs,
                              ms_per_step=secs / args.new_tokens * 1e3, peak_gib=peak, gather_s=gather_s,
-                             floor_ms=floor_ms, same_rows_as_hf=same, world=world_size(),
+                             floor_ms=floor_ms, same_rows_as_hf=same, world=get_world_size(),
                              run_seconds=[round(r, 4) for r in runs], **(extra or {})))
-            if rank() == 0:
+            if get_rank() == 0:
                 print(json.dumps(rows[-1]), flush=True)
                 if args.out:  # row by row, so a run cut short still leaves its rows
                     with open(args.out + ".jsonl", "a") as f:
@@ -221,7 +221,7 @@ def main(argv=None):
             if "hooks" in args.modes and (args.hooks_max_layers is None or layers <= args.hooks_max_layers):
                 with torch.no_grad():
                     out, runs, secs, peak = timed_runs(lambda: engine.module.generate(
-                        ids, attention_mask=mask, synced_gpus=world_size() > 1, **gen_kwargs), device, args.repeats)
+                        ids, attention_mask=mask, synced_gpus=get_world_size() > 1, **gen_kwargs), device, args.repeats)
                 record(batch, "zero3 hooks", out, runs, secs, peak)
             if "unwrap" in args.modes:
                 from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
@@ -248,7 +248,7 @@ def main(argv=None):
 
                 def refill_next():
                     actor.mark_weights_updated()  # as after an optimizer step: refill in place
-                    if world_size() > 1:          # ranks level, as after a step's gradient all-reduce, so
+                    if get_world_size() > 1:          # ranks level, as after a step's gradient all-reduce, so
                         torch.distributed.barrier()   # the fill's all-gathers do not time a rank's lag
                 fills_s = []
 
@@ -268,7 +268,7 @@ def main(argv=None):
             gather_mod.DIRECT_FILL = True
         del engine, model
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    if rank() == 0:
+    if get_rank() == 0:
         print_table(rows, bw)
         if args.out:
             with open(args.out + ".md", "a") as f:

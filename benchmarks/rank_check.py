@@ -63,7 +63,8 @@ def check_dtype(args, dtype_name, device, rank, world):
     import deepspeed
 
     from dschat.engine.config import eval_ds_config
-    from dschat.engine.hybrid import HybridActor, position_ids_for
+    from dschat.engine.hybrid import HybridActor
+    from dschat.registry import position_ids_for
 
     dtype = DTYPES[dtype_name]
     model = build_model(args.model, dtype, device)
@@ -152,19 +153,19 @@ def table_markdown(rows, title) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    from dschat.engine.distributed import init_distributed, rank, world_size
+    from dschat.utils.dist import get_rank, get_world_size, init_distributed
 
     device = init_distributed(args.local_rank)
     rows = []
     for dtype_name in args.dtypes:
-        rows += check_dtype(args, dtype_name, device, rank(), world_size())
+        rows += check_dtype(args, dtype_name, device, get_rank(), get_world_size())
     gathered = [rows]
-    if world_size() > 1:
-        gathered = [None] * world_size()
+    if get_world_size() > 1:
+        gathered = [None] * get_world_size()
         torch.distributed.all_gather_object(gathered, rows)
-    if rank() == 0:
+    if get_rank() == 0:
         everything = sorted((r for part in gathered for r in part), key=lambda r: (r["dtype"], r["path"], r["rank"]))
-        title = (f"{args.model}, world size {world_size()}, {args.batch} prompts of width {args.prompt_len} "
+        title = (f"{args.model}, world size {get_world_size()}, {args.batch} prompts of width {args.prompt_len} "
                  f"(same on every rank), {args.new_tokens} greedy tokens, device {device.type}")
         md = table_markdown(everything, title)
         print(md, flush=True)

@@ -7,12 +7,16 @@ from the `*ForCausalLM` module.
 """
 from __future__ import annotations
 
+import inspect
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 import torch.nn as nn
 
 from dschat.utils.errors import UserInputError
+from dschat.utils.tensor_ops import positions_from_mask
 
 
 @dataclass(frozen=True)
@@ -188,3 +192,37 @@ def tp_head_counts(config) -> tuple[Optional[int], Optional[int]]:
     heads = next((getattr(config, a) for a in fam.tp_heads if getattr(config, a, None)), None)
     kv = next((getattr(config, a) for a in fam.tp_kv_heads if getattr(config, a, None)), None)
     return heads, kv or heads
+
+
+# ------------------------------------------------------ what a family's forward takes
+
+_FORWARD_TAKES: dict[tuple[type, str], bool] = {}
+
+
+def _forward_takes(model: nn.Module, name: str) -> bool:
+    """Whether the HF model's forward (under a PEFT wrapper) has parameter `name`."""
+    key = (type(unwrap_peft(model)), name)
+    if key not in _FORWARD_TAKES:
+        _FORWARD_TAKES[key] = name in inspect.signature(key[0].forward).parameters
+    return _FORWARD_TAKES[key]
+
+
+def position_ids_for(model: nn.Module, attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """Positions from a (left-padded) attention mask, as HF generate computes them
+    (cumsum - 1, pads set to 1); None for models whose forward takes no position_ids
+    (ALiBi models derive positions from the mask themselves)."""
+    if not _forward_takes(model, "position_ids"):
+        return None
+    return positions_from_mask(attention_mask)
+
+
+def logits_to_keep_kwargs(model: nn.Module, keep_last: int) -> dict:
+    """{"logits_to_keep": n} where the model's forward takes it (HF computes the LM head
+    over the last n positions only), else {}; callers slice the last n columns either way.
+    Step 3 keeps the answer's columns: with Bloom's 250k vocabulary the head is about as
+    much compute as the rest of the model, and its logits the largest tensor of a step."""
+    if keep_last <= 0 or not _forward_takes(model, "logits_to_keep"):
+        return {}
+    if os.environ.get("DSCHAT_FULL_LOGITS") == "1":      # A/B switch of benchmarks/step3.py
+        return {}
+    return {"logits_to_keep": keep_last}

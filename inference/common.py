@@ -167,7 +167,7 @@ def reward_scores(reward_model, pairs: list[tuple[list[int], list[int]]], pad_id
 def answer_logprobs(model, pairs: list[tuple[list[int], list[int]]], pad_id: int,
                     batch_size: int = 16) -> list[float]:
     """Sum of log p(answer token | everything before it) of each (prompt_ids, answer_ids)."""
-    from dschat.rlhf.ppo_math import gather_log_probs
+    from dschat.utils.tensor_ops import gather_log_probs
 
     device = next(model.parameters()).device
     out = []

@@ -23,7 +23,8 @@ import hybrid_common as hc  # noqa: E402
 
 from dschat.engine.gather import (GatherBudgetError, GatherPlan, GatherScheduler, LayeredReplica,  # noqa: E402
                                   build_replica, fill_replica, get_scheduler, release_replica)
-from dschat.engine.hybrid import HybridActor, position_ids_for  # noqa: E402
+from dschat.engine.hybrid import HybridActor
+from dschat.registry import position_ids_for  # noqa: E402
 from dschat.registry import family_of, resolve, unwrap_peft  # noqa: E402
 from dschat.utils.errors import UserInputError  # noqa: E402
 

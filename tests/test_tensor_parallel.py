@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "tests" / "dist"))
 import hybrid_common as hc  # noqa: E402
 
 from dschat.engine.gather import GatherScheduler  # noqa: E402
-from dschat.engine.hybrid import position_ids_for  # noqa: E402
+from dschat.registry import position_ids_for  # noqa: E402
 from dschat.engine.tensor_parallel import (TPInference, cut_table, tp_size_problems,  # noqa: E402
                                            vocab_bounds)
 from dschat.registry import family_of, resolve, tp_head_counts  # noqa: E402

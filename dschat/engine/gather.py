@@ -531,7 +531,7 @@ def _fill_gather(params: list, plan: Optional[DirectPlan]) -> "ShardGather | Pen
 
 def _fill_nbytes(params: list, plan: Optional[DirectPlan]) -> int:
     """Bytes a fill's gather will hold (the lease to take before starting it)."""
-    return plan.nbytes if plan is not None else sum(full_nbytes(p) for p in params if _needs_gather(p))
+    return plan.nbytes if plan is not None else sum(full_nbytes(p) for p in params if needs_gather(p))
 
 
 # --------------------------------------------------------------------- replicas
@@ -678,7 +678,7 @@ class ReplicaBinding:
                         if not group.recurse and not _owns(group, path, key):
                             continue
                         bound.add(id(dst))
-                        items.append(_bind_param(hf, path, key, dst))
+                        items.append(bind_param(hf, path, key, dst))
             binding.copies[group.name] = items
         missing = [n for n, p in replica.named_parameters() if id(p) not in bound]
         if missing:
@@ -695,7 +695,7 @@ def _owns(group: GatherGroup, path: str, key: str) -> bool:
     return any(name == full for name, _ in group.params)
 
 
-def _bind_param(hf: nn.Module, path: str, key: str, dst: torch.Tensor) -> _Copy:
+def bind_param(hf: nn.Module, path: str, key: str, dst: torch.Tensor) -> _Copy:
     """Source of replica tensor `path.key`: the plain param, or a LoRA layer's base + delta."""
     src_mod = _src_module(hf, path)
     if src_mod is None:
@@ -711,7 +711,7 @@ def _bind_param(hf: nn.Module, path: str, key: str, dst: torch.Tensor) -> _Copy:
     return _Copy(dst, src)
 
 
-def _lora_delta(layer: nn.Module) -> Optional[torch.Tensor]:
+def lora_delta(layer: nn.Module) -> Optional[torch.Tensor]:
     """Sum of active, unmerged LoRA deltas of a peft layer (None when there is nothing)."""
     if getattr(layer, "disable_adapters", False):
         return None
@@ -738,7 +738,7 @@ def _copy_group(items: list[_Copy], gather: "ShardGather | PendingGather | None"
         return
     with torch.no_grad():
         for item in items:
-            delta = _lora_delta(item.lora) if item.lora is not None else None
+            delta = lora_delta(item.lora) if item.lora is not None else None
             if delta is None:
                 item.dst.copy_(item.src.data)
             elif item.dst.dtype == item.src.dtype:
@@ -810,7 +810,7 @@ def _gather_copy(groups: list[GatherGroup], binding: ReplicaBinding, scheduler: 
             finish(ahead)
 
 
-def _needs_gather(p: torch.Tensor) -> bool:
+def needs_gather(p: torch.Tensor) -> bool:
     return is_zero3_param(p) and p.ds_status == _zero_status().NOT_AVAILABLE
 
 
@@ -1009,7 +1009,7 @@ def gathered(module: nn.Module, *, scheduler: Optional[GatherScheduler] = None, 
     backward through it). A collective: call on every rank.
     """
     scheduler = scheduler or get_scheduler()
-    params = [p for p in dict.fromkeys(module.parameters()) if _needs_gather(p)]
+    params = [p for p in dict.fromkeys(module.parameters()) if needs_gather(p)]
     nbytes = sum(full_nbytes(p) for p in params)
     lease = scheduler.lease(nbytes, owner) if nbytes else None
     pending = None

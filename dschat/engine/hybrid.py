@@ -42,58 +42,16 @@ import torch.nn.functional as F
 from dschat.engine.gather import (GatherScheduler, LayeredReplica, build_replica, fill_replica,
                                   get_scheduler, release_replica)
 from dschat.engine.zero import is_zero3_param
-from dschat.registry import unwrap_peft
+from dschat.registry import logits_to_keep_kwargs, position_ids_for, unwrap_peft
+from dschat.utils import dist
 from dschat.utils.errors import UserInputError
 from dschat.utils.logging import get_logger, is_rank_0
+from dschat.utils.tensor_ops import gather_log_probs
 
 logger = get_logger(__name__)
 
 MODES = ("full", "layered")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_FORWARD_TAKES: dict[tuple[type, str], bool] = {}
-
-
-def _forward_takes(model: nn.Module, name: str) -> bool:
-    """Whether the HF model's forward (under a PEFT wrapper) has parameter `name`."""
-    import inspect
-    key = (type(unwrap_peft(model)), name)
-    if key not in _FORWARD_TAKES:
-        _FORWARD_TAKES[key] = name in inspect.signature(key[0].forward).parameters
-    return _FORWARD_TAKES[key]
-
-
-def position_ids_for(model: nn.Module, attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
-    """Positions from a (left-padded) attention mask, as HF generate computes them
-    (cumsum - 1, pads set to 1); None for models whose forward takes no position_ids
-    (ALiBi models derive positions from the mask themselves)."""
-    if not _forward_takes(model, "position_ids"):
-        return None
-    position_ids = attention_mask.long().cumsum(-1) - 1
-    return position_ids.masked_fill(attention_mask == 0, 1)
-
-
-def logits_to_keep_kwargs(model: nn.Module, keep_last: int) -> dict:
-    """{"logits_to_keep": n} where the model's forward takes it (HF computes the LM head
-    over the last n positions only), else {}; callers slice the last n columns either way.
-    Step 3 keeps the answer's columns: with Bloom's 250k vocabulary the head is about as
-    much compute as the rest of the model, and its logits the largest tensor of a step."""
-    if keep_last <= 0 or not _forward_takes(model, "logits_to_keep"):
-        return {}
-    if os.environ.get("DSCHAT_FULL_LOGITS") == "1":      # A/B switch of benchmarks/step3.py
-        return {}
-    return {"logits_to_keep": keep_last}
-
-
-def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels) per position: logits [B, S, V], labels [B, S] -> [B, S] (fp32)."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-
-
-def _dist():
-    return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
-
-
 def _parse_dtype(dtype) -> Optional[torch.dtype]:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -141,9 +99,8 @@ class HybridActor:
                                 torch.float32)
         self.inference_dtype = _parse_dtype(inference_dtype) or self.train_dtype
         self.device = torch.device(getattr(engine, "device", None) or self._accel_device())
-        dist = _dist()
-        self.rank = dist.get_rank() if dist else 0
-        self.world_size = dist.get_world_size() if dist else 1
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
         self._generator = torch.Generator(device="cpu").manual_seed(int(seed) + self.rank)
         self._version = 0
         self._filled_key = None
@@ -378,7 +335,7 @@ class HybridActor:
     def log_probs(self, seq: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """log p(seq[:, 1:]) under the current weights: [B, S - 1], fp32, no grad."""
         logits = self.logits(seq, attention_mask)
-        return log_probs_from_logits(logits[:, :-1], seq[:, 1:].to(logits.device))
+        return gather_log_probs(logits[:, :-1], seq[:, 1:].to(logits.device))
 
     # ---------------------------------------------------------------- switches
     def train(self, mode: bool = True) -> "HybridActor":

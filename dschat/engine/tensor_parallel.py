@@ -57,11 +57,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dschat.engine.decode import attention_window
-from dschat.engine.gather import (GatherPlan, GatherScheduler, PendingGather, _bind_param, _lora_delta,
-                                  _needs_gather, full_nbytes, get_scheduler, release_replica)
+from dschat.engine.gather import (GatherPlan, GatherScheduler, PendingGather, bind_param, lora_delta,
+                                  needs_gather, full_nbytes, get_scheduler, release_replica)
 from dschat.registry import (REGISTRY, family_of, head_is_tied, resolve, tp_head_counts, unwrap_peft)
+from dschat.utils import dist
 from dschat.utils.errors import UserInputError
 from dschat.utils.logging import get_logger, is_rank_0
+from dschat.utils.tensor_ops import positions_from_mask
 
 logger = get_logger(__name__)
 
@@ -113,11 +115,6 @@ def check_tp_size(tp_size: int, world_size: int, config=None, *, hybrid: bool = 
 
 # --------------------------------------------------------------------- groups
 
-def _dist():
-    d = torch.distributed
-    return d if d.is_available() and d.is_initialized() else None
-
-
 @dataclass
 class TPGroup:
     """One tensor-parallel group as seen from one of its ranks."""
@@ -157,7 +154,7 @@ _GROUPS: dict[tuple[int, int], TPGroup] = {}
 def get_tp_group(tp_size: int) -> TPGroup:
     """This rank's TP group of `tp_size` consecutive ranks. The first call for a size is a
     collective: every rank creates every group, in the same order."""
-    d = _dist()
+    d = dist.active()
     world, rank = (d.get_world_size(), d.get_rank()) if d else (1, 0)
     if tp_size == 1:
         return TPGroup(1, 0, rank, (rank,), None)
@@ -249,7 +246,7 @@ def _copy_cut(items: list[_TPCopy]) -> None:
     with torch.no_grad():
         for it in items:
             src = it.src.data if it.cut is None else it.cut.apply(it.src.data)
-            delta = _lora_delta(it.lora) if it.lora is not None else None
+            delta = lora_delta(it.lora) if it.lora is not None else None
             if delta is not None and it.cut is not None:
                 delta = it.cut.apply(delta)
             if delta is None:
@@ -386,7 +383,7 @@ class TPReplica:
                 if dst is None or id(dst) in seen:
                     continue
                 seen.add(id(dst))
-                bound = _bind_param(self.hf, path, key, dst)
+                bound = bind_param(self.hf, path, key, dst)
                 group = owner_of.get(id(bound.src))
                 if group is None:
                     raise RuntimeError(f"TP replica parameter {path}.{key} is outside the gather plan")
@@ -404,7 +401,7 @@ class TPReplica:
         collective: every rank calls it."""
         for unit in self.units:
             params = [p for g in unit for p in g.tensors()]
-            nbytes = sum(full_nbytes(p) for p in params if _needs_gather(p))
+            nbytes = sum(full_nbytes(p) for p in params if needs_gather(p))
             lease = self.scheduler.lease(nbytes, self.owner) if nbytes else None
             pending = None
             try:
@@ -751,12 +748,6 @@ class _NeoXTP(_TPBlock):
 
 # -------------------------------------------------------------------- decoding
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids from a (left-padded) mask as HF generate makes them (pads -> 1)."""
-    pos = mask.long().cumsum(-1) - 1
-    return pos.masked_fill(mask == 0, 1)
-
-
 class TPInference:
     """A TP group's replica slice + generic decoder. `generate` and `logits` are
     collectives of the group; `fill` is a ZeRO-3 collective of all ranks."""
@@ -765,7 +756,7 @@ class TPInference:
                  device=None, gather_group_size: int = 8, scheduler: Optional[GatherScheduler] = None,
                  owner: str = "actor-tp", vocab_parallel: bool = True):
         hf = unwrap_peft(src_module)
-        d = _dist()
+        d = dist.active()
         check_tp_size(tp_size, d.get_world_size() if d else 1, hf.config)
         self.group = get_tp_group(int(tp_size))
         self.replica = TPReplica(src_module, self.group, dtype=dtype, device=device,
@@ -840,7 +831,7 @@ class TPInference:
         N, L = ids.shape[0], Pm + T
         ext = torch.ones((N, L), dtype=torch.long, device=dev)
         ext[:, :Pm] = mask
-        pos = _positions(ext) if blk.uses_positions else None
+        pos = positions_from_mask(ext) if blk.uses_positions else None
         key_bias = blk.key_bias(ext)
         cache = blk.new_cache(N, L)
         t0 = time.perf_counter()
@@ -913,7 +904,7 @@ class TPInference:
         mask[:B, :S] = attention_mask.to(dev).long()
         mask[B:, 0] = 1
         pos = torch.ones((Bm, Sm), dtype=torch.long, device=dev)
-        pos[:B, :S] = _positions(mask[:B, :S]) if position_ids is None else position_ids.to(dev)
+        pos[:B, :S] = positions_from_mask(mask[:B, :S]) if position_ids is None else position_ids.to(dev)
         ids, mask, pos = (torch.cat(g.all_gather(t)) for t in (ids, mask, pos))
         key_bias = blk.key_bias(mask)
         cache = blk.new_cache(ids.shape[0], Sm)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from dschat.engine.distributed import all_reduce_sum, peak_memory_gib, rank, world_size
+from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, peak_memory_gib
 from dschat.engine.zero import release_prefetched
 from dschat.utils.logging import print_rank_0
 
@@ -21,7 +21,7 @@ def make_loader(dataset: Dataset, batch_size: int, collate_fn=None, *, shuffle: 
     single rank with a W-times larger micro-batch would see (tested: ZeRO-3 on 2 ranks
     equals ZeRO-0 on 1 rank).
     """
-    sampler = DistributedSampler(dataset, num_replicas=world_size(), rank=rank(),
+    sampler = DistributedSampler(dataset, num_replicas=get_world_size(), rank=get_rank(),
                                  shuffle=shuffle, seed=seed, drop_last=drop_last)
     # Its own generator: starting an iterator then draws no number from the global torch
     # RNG, so where an epoch's iterator starts does not shift dropout (exact resume).

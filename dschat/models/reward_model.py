@@ -25,7 +25,7 @@ from transformers import AutoModel
 
 from dschat.engine.zero import match_partitioned_dtype
 from dschat.models.model_utils import (create_hf_model, has_weights, load_config, save_tokenizer_and_config)
-from dschat.registry import family_of
+from dschat.registry import family_of, position_ids_for
 from dschat.utils.checkpoint import fault_point
 from dschat.utils.errors import UserInputError
 
@@ -62,7 +62,6 @@ class RewardModel(nn.Module):
 
     def values(self, input_ids, attention_mask=None) -> torch.Tensor:
         """Per-token values [B, L] (computed in fp32 from the last hidden states)."""
-        from dschat.engine.hybrid import position_ids_for
         kwargs = {}
         if attention_mask is not None:  # left-padded step-3 rows: positions as HF generate has them
             position_ids = position_ids_for(self.rwtransformer, attention_mask)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from dschat.engine.config import eval_ds_config, frozen_stage
-from dschat.engine.distributed import all_reduce_sum
+from dschat.utils.dist import all_reduce_sum
 from dschat.engine.train_utils import abandon_accumulation, to_device
 from dschat.engine.zero import initialize_engine, release_prefetched
 from dschat.models.model_utils import build_lm_engine, create_hf_model

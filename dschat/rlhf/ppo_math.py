@@ -33,6 +33,8 @@ from typing import Iterable, Optional, Tuple
 import torch
 from torch import Tensor
 
+from dschat.utils.tensor_ops import gather_log_probs  # one copy, re-exported with step 3's maths
+
 __all__ = [
     "answer_slice", "answer_tokens", "action_mask_from_attention",
     "gather_log_probs", "entropy_from_logits",
@@ -67,25 +69,6 @@ def action_mask_from_attention(attention_mask: Tensor, prompt_width: int) -> Ten
 
 
 # ---------------------------------------------------------------------------- logits
-
-def gather_log_probs(logits: Tensor, labels: Tensor, chunk_bytes: int = 2 ** 30) -> Tensor:
-    """Log-probability of each label: logits ``[B, T, V]``, labels ``[B, T]`` -> ``[B, T]`` fp32.
-
-    Computed in fp32 whatever the logits dtype (bf16 log-softmax loses the small
-    differences PPO ratios are made of). Labels must be valid ids (no -100). Without
-    autograd (scoring) rows go through in chunks of about `chunk_bytes` of fp32 logits,
-    so the fp32 copy and logsumexp's temporary stay small (Bloom's 250k vocabulary makes
-    them 4 GB each at 16 x 256 answer tokens); the numbers are the same either way.
-    """
-    rows = max(1, chunk_bytes // max(1, logits[0].numel() * 4))
-    if rows < logits.shape[0] and not (torch.is_grad_enabled() and logits.requires_grad):
-        return torch.cat([gather_log_probs(logits[i:i + rows], labels[i:i + rows], chunk_bytes)
-                          for i in range(0, logits.shape[0], rows)])
-    logits = logits.float()
-    picked = logits.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    # label logit minus logsumexp == log_softmax gathered, without a second [B, T, V] tensor
-    return picked - torch.logsumexp(logits, dim=-1)
-
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of the next-token distribution: logits ``[B, T, V]`` -> ``[B, T]`` fp32."""

@@ -14,14 +14,13 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.profiler import record_function
 
-from dschat.engine.distributed import all_reduce_mean, all_reduce_sum
-from dschat.engine.hybrid import logits_to_keep_kwargs, position_ids_for
 from dschat.engine.train_utils import lm_loss_sum
 from dschat.rlhf import estimators as est
 from dschat.rlhf import ppo_math as pm
 from dschat.rlhf.engine import RLHFEngines, update_ema
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.reward_fn import RewardFunctionError, combine_rewards, score
+from dschat.registry import logits_to_keep_kwargs, position_ids_for
 from dschat.utils import dist
 
 
@@ -170,8 +169,8 @@ class PPOTrainer:
             seq = torch.cat([seq, answers], dim=1)
         action_mask = answer_mask(answers, self.stop_ids, self.pad, self.chat)
         keep = action_mask.sum(1) > 1  # upstream: drop answers of <= 1 token
-        all_ok = all_reduce_sum(torch.tensor([float(keep.any())], device=seq.device)).item() \
-            == torch.distributed.get_world_size()
+        all_ok = dist.all_reduce_sum(torch.tensor([float(keep.any())], device=seq.device)).item() \
+            == dist.get_world_size()
         if not all_ok:
             return None, timings
         # Dropped rows stay in the batch with their action mask zeroed (no loss, no reward):
@@ -342,7 +341,7 @@ class PPOTrainer:
         take(exp)
         while True:
             have = sum(e.batch_size for e in kept) // n
-            least = int(-_all_reduce_max(torch.tensor(float(-have), device=self.e.actor.device)))
+            least = int(-dist.all_reduce_max(torch.tensor(float(-have), device=self.e.actor.device)).item())
             if least >= target or stats["extra_rollouts"] >= max_extra:
                 break
             try:
@@ -472,7 +471,7 @@ class PPOTrainer:
         from dschat.engine.zero import params_left_gathered
         engines = [self.e.actor, self.e.ref, self.e.critic, self.e.reward, self.e.ema]
         here = sum(len(params_left_gathered(e.module)) for e in engines if e is not None)
-        return int(_all_reduce_max(torch.tensor(float(here), device=self.e.actor.device)))
+        return int(dist.all_reduce_max(torch.tensor(float(here), device=self.e.actor.device)).item())
 
     def rollout_metrics(self, exp: Experience) -> dict:
         """`experience_metrics` plus what the algorithm adds: advantage statistics, the KL
@@ -485,22 +484,22 @@ class PPOTrainer:
         adv = exp.advantages.float()
         sel = adv[mask.bool()]
         empty = torch.zeros((), device=adv.device)
-        m["ppo/adv_mean"] = all_reduce_mean(pm.masked_mean(adv, mask)).item()
-        m["ppo/adv_std"] = all_reduce_mean(sel.std() if sel.numel() > 1 else empty).item()
-        m["ppo/adv_max"] = _all_reduce_max(sel.max() if sel.numel() else empty)
+        m["ppo/adv_mean"] = dist.all_reduce_mean(pm.masked_mean(adv, mask)).item()
+        m["ppo/adv_std"] = dist.all_reduce_mean(sel.std() if sel.numel() > 1 else empty).item()
+        m["ppo/adv_max"] = dist.all_reduce_max(sel.max() if sel.numel() else empty).item()
         m["ppo/adv_min"] = _reduce_min(sel.min() if sel.numel() else empty)
-        m["ppo/kl_k2"] = all_reduce_mean(pm.masked_mean(
+        m["ppo/kl_k2"] = dist.all_reduce_mean(pm.masked_mean(
             est.kl_estimate(exp.logprobs, exp.ref_logprobs, "k2"), mask)).item()
         m["ppo/kl_coef"] = float(self.kl_ctl.value)
         m["ppo/kl_estimator_k"] = float(self.cfg.kl_estimator[1])      # 1, 2 or 3: which ppo/kl_k* drives it
         m["ppo/kl_in_loss"] = float(self.cfg.kl_in == "loss")
         stats, self.rollout_stats = self.rollout_stats, {}
         if self.reward_fns:
-            m["reward/bad_skipped"] = int(all_reduce_sum(torch.tensor(float(stats.get("bad_rewards", 0)),
+            m["reward/bad_skipped"] = int(dist.all_reduce_sum(torch.tensor(float(stats.get("bad_rewards", 0)),
                                                                       device=adv.device)).item())
             for fn in self.reward_fns:
                 values = stats.get(f"reward_fn/{fn.name}", [0.0])
-                m[f"reward/{fn.name}_mean"] = all_reduce_mean(torch.tensor(sum(values) / len(values),
+                m[f"reward/{fn.name}_mean"] = dist.all_reduce_mean(torch.tensor(sum(values) / len(values),
                                                                            device=adv.device)).item()
         return m
 
@@ -511,25 +510,25 @@ class PPOTrainer:
         lengths = exp.action_mask.sum(1).float()[kept]
         reward = exp.rewards.float()[kept]
         return {
-            "ppo/reward_mean": all_reduce_mean(reward.mean()).item(),
-            "ppo/reward_std": all_reduce_mean(reward.std(unbiased=False) if reward.numel() > 1
+            "ppo/reward_mean": dist.all_reduce_mean(reward.mean()).item(),
+            "ppo/reward_std": dist.all_reduce_mean(reward.std(unbiased=False) if reward.numel() > 1
                                               else torch.zeros((), device=reward.device)).item(),
             # k1 (mean log-ratio; can go negative on greedy answers) and k3 (always >= 0)
-            "ppo/kl": all_reduce_mean(pm.approx_kl(exp.logprobs, exp.ref_logprobs, exp.action_mask)).item(),
+            "ppo/kl": dist.all_reduce_mean(pm.approx_kl(exp.logprobs, exp.ref_logprobs, exp.action_mask)).item(),
             # summed over each answer's tokens: the KL budget a run is judged by (nats per answer)
-            "ppo/kl_per_answer": all_reduce_mean(
+            "ppo/kl_per_answer": dist.all_reduce_mean(
                 ((exp.logprobs.float() - exp.ref_logprobs.float()) * exp.action_mask).sum(1)[kept].mean()).item(),
-            "ppo/kl_k3": all_reduce_mean(pm.masked_mean(
+            "ppo/kl_k3": dist.all_reduce_mean(pm.masked_mean(
                 torch.expm1(exp.ref_logprobs - exp.logprobs) - (exp.ref_logprobs - exp.logprobs),
                 exp.action_mask)).item(),
-            "gen/answer_len_mean": all_reduce_mean(lengths.mean()).item(),
-            "gen/answer_len_max": _all_reduce_max(lengths.max()),
-            "ppo/value_mean": all_reduce_mean(pm.masked_mean(exp.values, exp.action_mask)).item(),
+            "gen/answer_len_mean": dist.all_reduce_mean(lengths.mean()).item(),
+            "gen/answer_len_max": dist.all_reduce_max(lengths.max()).item(),
+            "ppo/value_mean": dist.all_reduce_mean(pm.masked_mean(exp.values, exp.action_mask)).item(),
         }
 
 
 def _reduce_min(value: torch.Tensor) -> float:
-    return -_all_reduce_max(-value.detach().float())
+    return -dist.all_reduce_max(-value.detach().float()).item()
 
 
 def _masked_entropy(answer_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -552,10 +551,3 @@ def _answer_logits(logits: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Ten
 def _positions(module, attention_mask) -> dict:
     position_ids = position_ids_for(module, attention_mask)
     return {} if position_ids is None else {"position_ids": position_ids}
-
-
-def _all_reduce_max(value: torch.Tensor) -> float:
-    out = value.detach().clone().float()
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
-    return out.item()

@@ -434,11 +434,10 @@ class NonFiniteGuard:
         self.in_a_row: dict[str, int] = {}
 
     def ok(self, name: str, step: int, *tensors: torch.Tensor, micro: int | None = None) -> bool:
-        from dschat.engine.distributed import all_reduce_sum
 
         finite = all(bool(torch.isfinite(t.detach()).all()) for t in tensors) \
             and not _forced_nonfinite(name, step, micro)
-        bad = int(all_reduce_sum(torch.tensor([0.0 if finite else 1.0], device=self.device)).item())
+        bad = int(dist.all_reduce_sum(torch.tensor([0.0 if finite else 1.0], device=self.device)).item())
         if not bad:
             self.in_a_row[name] = 0
             return True

@@ -1,11 +1,16 @@
-"""Thin torch.distributed helpers that are no-ops in a single process.
+"""torch.distributed in one place: process-group setup and teardown, rank / world size,
+barrier, object and tensor collectives. Every helper is a no-op (or the identity) in a
+single process without a process group, so data code and tests run without one.
 
-The only module outside `dschat/engine/` allowed to touch `torch.distributed`
-(docs/CONVENTIONS.md), so data code and tests can run without a process group.
+The ground floor of dschat's layers (docs/ARCHITECTURE.md): the one module outside
+`dschat/engine/` allowed to touch `torch.distributed` (docs/CONVENTIONS.md).
 """
 from __future__ import annotations
 
+import atexit
 import os
+
+import torch
 
 
 def _dist():
@@ -17,6 +22,11 @@ def is_initialized() -> bool:
     """Whether a default process group exists."""
     dist = _dist()
     return dist.is_available() and dist.is_initialized()
+
+
+def active():
+    """`torch.distributed` when a default process group exists, else None."""
+    return _dist() if is_initialized() else None
 
 
 def get_rank() -> int:
@@ -56,3 +66,116 @@ def all_gather_object(obj) -> list:
     out = [None] * get_world_size()
     _dist().all_gather_object(out, obj)
     return out
+
+
+# ------------------------------------------------------------ setup and teardown
+
+def init_distributed(local_rank: int = -1) -> torch.device:
+    """Start (or join) the process group through DeepSpeed; return this rank's device.
+
+    Works under the `deepspeed` launcher, `torchrun`, and as a single plain process
+    (world size 1). On machines without GPUs DeepSpeed's CPU accelerator uses gloo.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if local_rank < 0:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if "RANK" not in os.environ:  # plain `python main.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    accel = get_accelerator()
+    if accel.device_name() == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device(accel.device_name())
+    deepspeed.init_distributed(dist_backend=None if accel.device_name() == "cuda" else "gloo")
+    atexit.register(shutdown_distributed)
+    return device
+
+
+def shutdown_distributed() -> None:
+    """Tear the process group down before the interpreter does (registered at exit).
+
+    Left to interpreter teardown, gloo's worker threads are sometimes destroyed while
+    still joinable and the rank dies with "terminate called without an active exception"
+    (SIGABRT) after its work is done; seen on 2 loaded CPU cores with torch 2.13.
+    """
+    port, this_rank = os.environ.get("MASTER_PORT", ""), os.environ.get("RANK", "")
+    try:
+        if is_initialized():
+            torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit; the work is already done
+        pass
+    _unlink_cpu_shm_buffers(port, this_rank)
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _unlink_cpu_shm_buffers(port: str, this_rank: str) -> None:
+    """Remove this rank's shared-memory all-reduce buffer of DeepSpeed's CPU comm op.
+
+    DeepSpeed (0.19.8) leaves one ~64 MiB `deepspeed_allreduce_buffer_*_<addr>_<port>_<rank>`
+    file in /dev/shm per rank and launch and never unlinks it, so repeated CPU runs fill
+    /dev/shm until processes are killed. Unlinking at exit frees it (the mapping itself
+    goes away with the process).
+    """
+    try:
+        for name in os.listdir(SHM_DIR):
+            if name.startswith("deepspeed_allreduce_buffer_") and name.endswith(f"_{port}_{this_rank}"):
+                os.unlink(os.path.join(SHM_DIR, name))
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------ tensor collectives
+
+def _reduce_device(value: torch.Tensor) -> torch.device:
+    """Where `value` can be reduced: NCCL takes CUDA tensors only, so a CPU value (a count
+    made on the host) goes through this rank's GPU and comes back."""
+    if value.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return value.device
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks (a new tensor on the input's device; the input is left unchanged)."""
+    out = value.detach().clone().float()
+    if is_initialized():
+        out = out.to(_reduce_device(out))
+        torch.distributed.all_reduce(out)
+        out = (out / torch.distributed.get_world_size()).to(value.device)
+    return out
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a new tensor on the input's device; the input is left unchanged)."""
+    out = value.detach().clone()
+    if is_initialized():
+        out = out.to(_reduce_device(out))
+        torch.distributed.all_reduce(out)
+        out = out.to(value.device)
+    return out
+
+
+def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
+    """Max over ranks, in fp32 (a new tensor on the input's device; the input is left unchanged)."""
+    out = value.detach().clone().float()
+    if is_initialized():
+        out = out.to(_reduce_device(out))
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
+        out = out.to(value.device)
+    return out
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB
+    except ImportError:
+        return float("nan")

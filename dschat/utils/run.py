@@ -76,7 +76,7 @@ def main_guard(main, hard_exit: bool | None = None):
 def _exit_now(code: int) -> None:
     import logging
 
-    from dschat.engine.distributed import shutdown_distributed
+    from dschat.utils.dist import shutdown_distributed
 
     shutdown_distributed()
     logging.shutdown()

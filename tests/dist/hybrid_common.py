@@ -111,19 +111,20 @@ def hf_generate(model, ids, mask, *, max_new_tokens: int, eos=EOS, min_new_token
 
 
 def hf_log_probs(model, seq, mask):
-    from dschat.engine.hybrid import log_probs_from_logits, position_ids_for
+    from dschat.registry import position_ids_for
+    from dschat.utils.tensor_ops import gather_log_probs
     kwargs = {}
     pos = position_ids_for(model, mask)
     if pos is not None:
         kwargs["position_ids"] = pos
     with torch.no_grad():
         logits = model(input_ids=seq, attention_mask=mask, use_cache=False, **kwargs).logits
-    return log_probs_from_logits(logits[:, :-1], seq[:, 1:])
+    return gather_log_probs(logits[:, :-1], seq[:, 1:])
 
 
 def train_step(engine, seq, mask) -> float:
     """One optimizer step of an LM loss on `seq` (the engine's own ZeRO hooks at work)."""
-    from dschat.engine.hybrid import position_ids_for
+    from dschat.registry import position_ids_for
     engine.train()
     kwargs = {}
     pos = position_ids_for(engine.module, mask)
@@ -156,7 +157,7 @@ def init():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
-    from dschat.engine.distributed import shutdown_distributed
+    from dschat.utils.dist import shutdown_distributed
     atexit.register(shutdown_distributed)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 

@@ -113,7 +113,8 @@ def offload_case(rank: int) -> dict:
 def gathered_case(rank: int) -> dict:
     """gathered() on a frozen ZeRO-3 engine (a reference / reward model) and budget policy."""
     from dschat.engine.gather import GatherBudgetError, GatherPlan, GatherScheduler, gathered
-    from dschat.engine.hybrid import HybridActor, log_probs_from_logits
+    from dschat.engine.hybrid import HybridActor
+    from dschat.utils.tensor_ops import gather_log_probs
     from dschat.engine.zero import params_left_gathered
     res = {}
     model = hc.tiny_model("llama")
@@ -128,7 +129,7 @@ def gathered_case(rank: int) -> dict:
         logits = module(input_ids=ids, attention_mask=mask,
                         position_ids=(mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)).logits
         res["still_available_after_forward"] = len(params_left_gathered(module)) == n_params
-    res["gathered_vs_ref"] = float((log_probs_from_logits(logits[:, :-1], ids[:, 1:]) - want)[mask[:, 1:].bool()].abs().max())
+    res["gathered_vs_ref"] = float((gather_log_probs(logits[:, :-1], ids[:, 1:]) - want)[mask[:, 1:].bool()].abs().max())
     res["left_after_gathered"] = params_left_gathered(frozen.module)
     res["gathered_bytes"] = sched.stats["bytes_total"]
     res["plan_bytes"] = GatherPlan.build(frozen.module).nbytes

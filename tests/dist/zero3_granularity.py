@@ -10,7 +10,7 @@ from deepspeed.utils import z3_leaf_module
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dschat.engine.config import train_ds_config
-from dschat.engine.distributed import init_distributed
+from dschat.utils.dist import init_distributed
 from dschat.engine.zero import block_class_name, full_state_dict, use_block_granularity
 from dschat.models.reward_model import RewardModel
 from dschat.utils.run import main_guard

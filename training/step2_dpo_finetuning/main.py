@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from dschat.data import DataCollatorReward, create_prompt_dataset
 from dschat.engine.config import train_ds_config
-from dschat.engine.distributed import init_distributed, rank
+from dschat.utils.dist import get_rank, get_world_size, init_distributed
 from dschat.engine.train_utils import log_train_step, make_loader, micro_batch_groups
 from dschat.models.model_utils import load_tokenizer, save_hf_format
 from dschat.rlhf.dpo import LOSS_TYPES, summarize
@@ -76,7 +76,7 @@ def main(argv=None):
     args = parse_args(argv)
     validate_step2_dpo(args)
     device = init_distributed(args.local_rank)
-    world = torch.distributed.get_world_size()
+    world = get_world_size()
     set_seed(args.seed)
     cfg = DPOConfig.from_args(args)
 
@@ -120,7 +120,7 @@ def main(argv=None):
                                 "nonfinite": guard.state(), "config": run_config})
 
     result = run_eval(0) if resumed is None else None
-    progress = tqdm(total=total_steps, initial=step, desc="step 2 (DPO)", disable=rank() != 0)
+    progress = tqdm(total=total_steps, initial=step, desc="step 2 (DPO)", disable=get_rank() != 0)
     epoch = start_epoch
     for epoch in range(start_epoch, args.num_train_epochs):
         if step >= total_steps:
@@ -154,9 +154,9 @@ def main(argv=None):
     if result is None:  # resumed after the last step: nothing was left to train
         result = run_eval(step)
 
-    ckpt.save_final(lambda: save_hf_format(policy, tokenizer, args.output_dir, rank=rank()), save,
+    ckpt.save_final(lambda: save_hf_format(policy, tokenizer, args.output_dir, rank=get_rank()), save,
                     args.output_dir)
-    if rank() == 0:
+    if get_rank() == 0:
         run_config["final_eval"] = result
         save_json(run_config, f"{args.output_dir}/training_config.json")
     metrics.close()

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from dschat.data import DataCollatorReward, create_prompt_dataset
 from dschat.engine.config import train_ds_config
-from dschat.engine.distributed import all_reduce_sum, init_distributed, rank
+from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, init_distributed
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
 from dschat.engine.train_utils import (abandon_accumulation, log_train_step, make_loader, micro_batch_groups,
                                        to_device)
@@ -107,7 +107,7 @@ def main(argv=None):
     args = parse_args(argv)
     validate_step2(args)
     device = init_distributed(args.local_rank)
-    world = torch.distributed.get_world_size()
+    world = get_world_size()
     set_seed(args.seed)
 
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
@@ -150,7 +150,7 @@ def main(argv=None):
                                 "nonfinite": guard.state(), "config": run_config})
 
     result = run_eval(0) if resumed is None else None
-    progress = tqdm(total=total_steps, initial=step, desc="step 2 (reward model)", disable=rank() != 0)
+    progress = tqdm(total=total_steps, initial=step, desc="step 2 (reward model)", disable=get_rank() != 0)
     epoch = start_epoch
     for epoch in range(start_epoch, args.num_train_epochs):
         if step >= total_steps:
@@ -180,9 +180,9 @@ def main(argv=None):
     if result is None:  # resumed after the last step: nothing was left to train
         result = run_eval(step)
 
-    ckpt.save_final(lambda: save_reward_model(engine, tokenizer, args.output_dir, rank=rank()), save,
+    ckpt.save_final(lambda: save_reward_model(engine, tokenizer, args.output_dir, rank=get_rank()), save,
                     args.output_dir)
-    if rank() == 0:
+    if get_rank() == 0:
         run_config["final_eval"] = result
         save_json(run_config, f"{args.output_dir}/training_config.json")
     metrics.close()

@@ -36,7 +36,7 @@ from dschat.data import DataCollatorRLHF, create_prompt_dataset, create_unsuperv
 from dschat.data.chat import ChatFormat
 from dschat.data.tokenize import end_of_conversation_text
 from dschat.engine.gather import get_scheduler
-from dschat.engine.distributed import all_reduce_mean, all_reduce_sum, init_distributed, peak_memory_gib, rank
+from dschat.utils.dist import all_reduce_mean, all_reduce_sum, get_rank, get_world_size, init_distributed, peak_memory_gib
 from dschat.engine.train_utils import abandon_accumulation, make_loader, to_device
 from dschat.models.model_utils import load_tokenizer, save_hf_format
 from dschat.models.reward_model import save_reward_model
@@ -267,7 +267,7 @@ def dump_generations(path, step, exp, tokenizer, this_rank):
                      "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
                      "answer": tokenizer.decode(answer, skip_special_tokens=True),
                      "reward": float(exp.rewards[i])})
-    gathered = [None] * torch.distributed.get_world_size()
+    gathered = [None] * get_world_size()
     torch.distributed.all_gather_object(gathered, rows)
     if this_rank == 0:
         with open(path, "a") as f:
@@ -312,7 +312,7 @@ def main(argv=None):
     args = parse_args(argv)
     validate_step3(args)
     device = init_distributed(args.local_rank)
-    world = torch.distributed.get_world_size()
+    world = get_world_size()
     set_seed(args.seed)
 
     tokenizer = load_tokenizer(args.actor_model_name_or_path, add_eot_token=args.add_eot_token,
@@ -392,7 +392,7 @@ def main(argv=None):
 
     trainer.update_guard = update_guard
     metrics = metrics_logger_for(args, run_config)
-    if args.dump_generations and rank() == 0 and resumed is None:
+    if args.dump_generations and get_rank() == 0 and resumed is None:
         os.makedirs(os.path.dirname(os.path.abspath(args.dump_generations)), exist_ok=True)
         open(args.dump_generations, "w").close()
 
@@ -401,9 +401,9 @@ def main(argv=None):
                                 "nonfinite": guard.state(), "config": run_config, "kl_coef": trainer.kl_ctl.value})
 
     profiler = StepProfiler(args.profile_step, args.profile_dir or os.path.join(args.output_dir, "profile"),
-                            rank(), device)
+                            get_rank(), device)
     buffer, unsup_buffer = [], []
-    progress = tqdm(total=total_steps, initial=step, desc=f"step 3 ({args.algorithm})", disable=rank() != 0)
+    progress = tqdm(total=total_steps, initial=step, desc=f"step 3 ({args.algorithm})", disable=get_rank() != 0)
     epoch = start_epoch
     for epoch in range(start_epoch, args.num_train_epochs):
         if step >= total_steps:
@@ -462,8 +462,8 @@ def main(argv=None):
                                    for k, v in filter_stats.items() if k != "groups_kept"})
                     record["filter/groups_kept_per_rank"] = filter_stats["groups_kept"]
                 if args.dump_generations:
-                    dump_generations(args.dump_generations, step, exp, tokenizer, rank())
-                if args.print_answers and step % args.print_answers_interval == 0 and rank() == 0:
+                    dump_generations(args.dump_generations, step, exp, tokenizer, get_rank())
+                if args.print_answers and step % args.print_answers_interval == 0 and get_rank() == 0:
                     P = exp.prompt_width
                     print(f"--- step {step} prompt: {tokenizer.decode(exp.seq[0, :P], skip_special_tokens=True)!r}\n"
                           f"    answer: {tokenizer.decode(exp.seq[0, P:], skip_special_tokens=True)!r}"
@@ -494,14 +494,14 @@ def main(argv=None):
     progress.close()
 
     def write_models():
-        save_hf_format(engines.actor, tokenizer, os.path.join(args.output_dir, "actor"), rank=rank())
+        save_hf_format(engines.actor, tokenizer, os.path.join(args.output_dir, "actor"), rank=get_rank())
         if engines.critic is not None:  # critic-free algorithms have no critic to save
-            save_reward_model(engines.critic, tokenizer, os.path.join(args.output_dir, "critic"), rank=rank())
+            save_reward_model(engines.critic, tokenizer, os.path.join(args.output_dir, "critic"), rank=get_rank())
         if engines.ema is not None:
-            save_hf_format(engines.ema, tokenizer, os.path.join(args.output_dir, "actor_ema"), rank=rank())
+            save_hf_format(engines.ema, tokenizer, os.path.join(args.output_dir, "actor_ema"), rank=get_rank())
 
     ckpt.save_final(write_models, save, args.output_dir)
-    if rank() == 0:
+    if get_rank() == 0:
         save_json(run_config, os.path.join(args.output_dir, "training_config.json"))
     metrics.close()
     print_rank_0(f"saved actor/{' and critic/' if engines.critic is not None else ''} to {args.output_dir}")
