@@ -203,7 +203,7 @@ def test_resume_without_checkpoints_is_a_fresh_start(outcomes):
 def test_learned_position_tables_bound_the_sequence():
     """Step 3 checks prompt + answer against the actor's and critic's position tables; only
     families with learned positions have one (ALiBi and rotary ones do not)."""
-    from dschat.utils.validate import _fits_positions
+    from dschat.cli.validate import _fits_positions
     flags = "--max_prompt_seq_len + --max_answer_seq_len"
     got = _fits_positions(str(REPO / "configs/tiny/opt.json"), 513, flags, "actor_model_name_or_path")
     assert len(got) == 1 and "= 513" in got[0] and "opt: 512 learned positions" in got[0]

@@ -182,7 +182,7 @@ def test_clip_fractions_split_the_clip_fraction_by_side():
 
 def _step3_problems(*extra, critic=True):
     import importlib.util
-    from dschat.utils.validate import step3_problems
+    from dschat.cli.validate import step3_problems
     spec = importlib.util.spec_from_file_location("step3_main_v", STEP3)
     main = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(main)

@@ -96,7 +96,7 @@ def _step3_problems(argv, world: int, monkeypatch) -> list[str]:
     spec = importlib.util.spec_from_file_location("step3_main", REPO / "training" / "step3_rlhf_finetuning" / "main.py")
     main = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(main)
-    from dschat.utils.validate import step3_problems
+    from dschat.cli.validate import step3_problems
     monkeypatch.setenv("WORLD_SIZE", str(world))
     return step3_problems(main.parse_args(argv))
 

@@ -138,7 +138,7 @@ def read_metrics(path) -> list:
 
 
 def metrics_logger_for(args, config: dict) -> "MetricsLogger":
-    """The logger of an entry point, from its logging flags (see utils/flags.add_logging_args);
+    """The logger of an entry point, from its logging flags (see dschat/cli/flags.add_logging_args);
     a relative --tensorboard_path lives under --output_dir."""
     from dschat.utils.run import resolve_under
     tb_path = resolve_under(args.output_dir, args.tensorboard_path)

@@ -27,12 +27,12 @@ from dschat.engine.zero import initialize_engine, release_prefetched
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import load_tokenizer
 from dschat.models.reward_model import create_reward_model, save_reward_model
-from dschat.utils import flags
+from dschat.cli import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import metrics_logger_for
 from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
-from dschat.utils.validate import validate_step2
+from dschat.cli.validate import validate_step2
 
 
 def parse_args(argv=None):

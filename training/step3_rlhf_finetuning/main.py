@@ -45,13 +45,13 @@ from dschat.rlhf.engine import build_rlhf_engines, ppo_optimizer_steps
 from dschat.rlhf.estimators import KL_KINDS, LOSS_AGG_MODES
 from dschat.rlhf.reward_fn import describe, load_reward_fn
 from dschat.rlhf.trainer import PPOConfig, PPOTrainer, RewardFn
-from dschat.utils import flags
+from dschat.cli import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import metrics_logger_for
 from dschat.utils.profiling import StepProfiler, add_profile_args
 from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
-from dschat.utils.validate import raise_problems, validate_step3
+from dschat.cli.validate import raise_problems, validate_step3
 
 
 def parse_args(argv=None):

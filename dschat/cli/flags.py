@@ -1,7 +1,7 @@
 """DS-Chat's command-line flags (names and defaults kept), defined once per group.
 
 The library never parses argv: entry points build a parser from these groups, parse,
-then call `dschat.utils.validate.validate_step*`, which collects every problem and raises
+then call `dschat.cli.validate.validate_step*`, which collects every problem and raises
 them together.
 """
 from __future__ import annotations

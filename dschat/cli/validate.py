@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dschat.engine.config import frozen_stage
 from dschat.utils.errors import UserInputError
-from dschat.utils.flags import split_fractions
+from dschat.cli.flags import split_fractions
 
 
 def raise_problems(problems: list[str]) -> None:
