@@ -26,7 +26,7 @@ How a generate call runs:
   from a CUDA graph; the host syncs only every `check_every` steps to see whether all
   rows finished (never when min_new_tokens forces the whole length).
 - the decode attention defaults to the Triton kernel for head_dim <= 128 and to baddbmm in
-  HF's op order above (H200 measurements in benchmarks/RESULTS_decode.md); Bloom's prompt
+  HF's op order above (why: docs/DECODE.md); Bloom's prompt
   runs in HF's eager op order, so the first token's logits equal HF's.
 
 Per-family math (Bloom, OPT, GPT-2, LLaMA / Mistral / Qwen2, GPT-NeoX) lives in `_DecodeBlock`
@@ -55,9 +55,9 @@ logger = get_logger(__name__)
 
 _BLOCKS: dict[str, type] = {}
 LENGTH_BUCKET = 64
-# SDPA backends allowed for the decode step's attention (None: PyTorch's own choice). On
-# the H200 PyTorch picks cuDNN there, and seeded sampling through captured graphs did not
-# reproduce with it (2026-11-29); the memory-efficient kernel reproduces.
+# SDPA backends allowed for the decode step's attention (None: PyTorch's own choice, cuDNN
+# on Hopper, whose seeded sampling did not reproduce through captured graphs; the
+# memory-efficient kernel reproduces; docs/DECODE.md, section 4).
 DECODE_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -244,12 +244,10 @@ class _DecodeBlock:
     @staticmethod
     def default_attention(head_dim: int, numerics: str, use_triton: bool) -> str:
         """Decode attention measured fastest among those whose seeded sampling reproduces
-        through captured graphs (H200, bf16): the Triton kernel up to head_dim 128 (one
-        layer at batch 16, keys 0..450: 9.8 us vs 25.2 baddbmm at head_dim 64, 38.2 vs
-        59.7 at 128, after the 2-warp launch sweep of 2026-11-29; from head_dim 128 its
-        tensor-core variant, decode_triton.ATTN_DOT); baddbmm otherwise and
-        for numerics="hf" (HF's exact op order). cuDNN SDPA did not reproduce seeded
-        sampling through graphs (RESULTS_decode.md)."""
+        through captured graphs: the Triton kernel up to head_dim 128 (from head_dim 128 its
+        tensor-core variant, decode_triton.ATTN_DOT); baddbmm otherwise and for
+        numerics="hf" (HF's exact op order). cuDNN SDPA did not reproduce seeded sampling
+        through graphs. Measurements: docs/DECODE.md, section 4."""
         # the Triton kernel spans head_dim in one power-of-two block (bloom-3b and pythia-2.8b
         # have 80, gpt-neox-20b 96: padded to 128 unless decode_triton.ATTN_PAD_HEAD_DIM is off)
         pow2 = head_dim & (head_dim - 1) == 0 or decode_triton.ATTN_PAD_HEAD_DIM

@@ -61,10 +61,8 @@ def available() -> bool:
 # L2 for the first PDL_PREFETCH(_ATTN) bytes of what they will stream (their weight strip,
 # their cached keys and values: PTX prefetch.global.L2, a hint that moves nothing through
 # the SM), so that bandwidth the previous kernel's tail leaves idle is put to use.
-# None: 3 on compute capability 9+, else 0. H200, bf16 decode ms/step, mode 1 -> 3 with
-# 8 KiB (benchmarks/RESULTS_decode.md, run 8): bloom-560m 1.087 -> 1.005 at batch 16,
-# 1.61 -> 1.57 at 64, 0.857 -> 0.820 at 1; the 7B shapes unchanged within 1%; more
-# than 16 KiB per program was slower (bloom-7b1 5.06 at 32 KiB, 5.32 at 128 KiB).
+# None: 3 on compute capability 9+, else 0. Mode 3 helps most where kernels are short;
+# a deeper prefetch competes with the previous kernel's stream (docs/DECODE.md, section 7).
 PDL: "int | None" = None
 PDL_PREFETCH = 8192                   # mode 3: bytes per linear program (0: none)
 PDL_PREFETCH_ATTN = 8192              # mode 3: bytes per attention program (0: none)
@@ -392,45 +390,40 @@ def _interpreting() -> bool:
 
 # ---------------------------------------------------------------------------- attention
 
-# Launch knobs; None: the per-shape choice below, from a sweep on the H200 (bf16, cache 512,
-# benchmarks/attn_bench.py, RESULTS_decode.md run 4).
+# Launch knobs; None: the per-shape choice below, from benchmarks/attn_bench.py's sweep
+# (docs/DECODE.md, section 4).
 ATTN_SPLITS: "int | None" = None       # programs the keys of one (row, head) are split over
 ATTN_BLOCK_N: "int | None" = None      # keys per inner step: 128 for head_dim <= 64, else 64
 ATTN_WARPS: "int | None" = None        # 2 warps where one query head reads each K/V head
 # Split programs combine their partial softmaxes themselves: the last of a (row, head)'s
 # programs to finish (an atomic arrival counter) merges them, so no combine kernel is
-# launched (one kernel less per layer and step). Checked in Triton's CPU interpreter; off
-# until timed on a GPU (`benchmarks/attn_bench.py` has the variant).
+# launched (one kernel less per layer and step). Off: a wash on the GPU (docs/DECODE.md,
+# section 4; `benchmarks/attn_bench.py` has the variant).
 ATTN_INLINE_COMBINE = False
 ATTN_STAGES: "int | None" = None       # software-pipelining stages of the key loop; None: Triton's
 # Scores and the value sum as tensor-core dots (query rows padded to 16; bf16 q.K^T with fp32
 # accumulation, p.V in TF32) instead of the per-key GEMV reductions; bf16/fp16 caches only.
 # None: on for head_dim >= 128, launched with 32-key blocks, 4 warps and splits for ~512
-# programs (H200, batch 16, RESULTS_decode.md run 5: one bloom-7b1 layer at 385 keys 31.4 vs
-# 35.1 us; decode step 4.99 vs 5.11 ms, llama-7b 5.50 vs 5.67; at head_dim 64 it was slower,
-# bloom-560m 1.29 vs 1.10 ms). Batch 1 and 64 at head_dim 128 with it: not timed.
+# programs; faster than the GEMV kernel there, slower at head_dim 64 (docs/DECODE.md, section 4).
 ATTN_DOT: "bool | None" = None
 # With the dots: p.V with the probabilities rounded to the cache dtype (bf16/fp16 products,
 # exact in the fp32 accumulator), as HF's eager attention rounds its fp32 softmax to the value
-# dtype before its bmm; False: p.V in TF32 with V converted to fp32 first. Off: H200, bf16
-# batch 16 (RESULTS_decode.md run 11), bloom-7b1 5.11 vs 4.98 ms/step (15/16 rows equal HF's
-# against 13/16), llama-7b 4.85 vs 4.86; ptxas gives it 100 registers against 128.
+# dtype before its bmm; False: p.V in TF32 with V converted to fp32 first. Off: slower at
+# bloom-7b1, though closer to HF's rows (docs/DECODE.md, section 4).
 ATTN_PV_LOW = False
 # The attention kernel writes the step's K/V into the cache itself (one kernel less per
-# layer; the Bloom and OPT blocks, where the decode attention is the Triton one). H200,
-# bloom-560m bf16: 1.311 vs 1.382 ms/step at batch 16, 2.174 vs 2.210 at batch 64
-# (benchmarks/RESULTS_decode.md, run 4).
+# layer; the Bloom and OPT blocks, where the decode attention is the Triton one; measured
+# in docs/DECODE.md, section 3).
 FUSE_KV_WRITE = True
 # Head dims that are not a power of two (bloom-3b and pythia-2.8b: 80, gpt-neox-20b: 96): the
 # kernel spans head_dim in one block of the next power of two with the extra lanes masked.
-# False: such models decode with baddbmm. H200, bloom-3b bf16 batch 16: 3.04 against 3.77
-# ms/step (RESULTS_decode.md run 9); the GPU kernel test has a head_dim-80 shape.
+# False: such models decode with baddbmm, which is slower (docs/DECODE.md, section 4); the
+# GPU kernel test has a head_dim-80 shape.
 ATTN_PAD_HEAD_DIM = True
 # Left padding: each row's key loop starts at the block holding its first visible slot (the
 # generator's `key_start`) instead of slot 0, same result bit for bit. DeepSpeed-Chat pads
-# every prompt to max_prompt_seq_len, so a batch of shorter prompts reads less cache. H200,
-# bf16 batch 16, prompts 128..256 of 256 (RESULTS_decode.md run 12): bloom-7b1 4.732 vs
-# 4.804 ms/step, llama-7b 4.721 vs 4.757, bloom-560m 0.884 vs 0.890.
+# every prompt to max_prompt_seq_len, so a batch of shorter prompts reads less cache
+# (docs/DECODE.md, section 4).
 ATTN_SKIP_PAD = True
 
 
@@ -657,8 +650,8 @@ if triton is not None:
 def _splits(B: int, Hkv: int, L: int, block_n: int, programs: int = 1024) -> int:
     """About `programs` programs, each with at least one key block: 2048 for the one-warp
     GEMV programs at head_dim <= 64 (8 splits at bloom-560m batch 16), else 1024 (2 splits at
-    head_dim 128 batch 16, run 4's sweep); with the tensor-core dots 512 (1 split at
-    bloom-7b1 batch 16)."""
+    head_dim 128 batch 16); with the tensor-core dots 512 (1 split at bloom-7b1 batch 16).
+    From attn_bench.py's sweep (docs/DECODE.md, section 4)."""
     if ATTN_SPLITS is not None:
         return ATTN_SPLITS
     s = 1
@@ -669,9 +662,8 @@ def _splits(B: int, Hkv: int, L: int, block_n: int, programs: int = 1024) -> int
 
 def _small_gemv(D: int, GP: int) -> bool:
     """One query head per K/V head at head_dim <= 64 (Bloom, OPT, GPT-2 shapes): one-warp
-    programs over 32-key blocks. H200, bloom-560m bf16 batch 16 (RESULTS_decode run 10):
-    1.020 -> 0.970 ms/step against 2 warps over 128-key blocks, which ptxas gives 255
-    registers and spills (4 programs per SM) where one warp needs 80."""
+    programs over 32-key blocks: 2 warps over 128-key blocks need 255 registers and spill,
+    one warp needs 80 (docs/DECODE.md, section 4)."""
     return GP == 1 and D <= 64
 
 
@@ -682,7 +674,7 @@ def _block_n(D: int, GP: int = 1) -> int:
 def _warps(block_n: int, D: int, GP: int) -> int:
     if ATTN_WARPS:
         return ATTN_WARPS
-    if GP == 1:      # fewer idle lanes per GEMV: 2 beat 4 and 8 at every shape of run 4's sweep
+    if GP == 1:      # fewer idle lanes per GEMV: 2 beat 4 and 8 in attn_bench.py's sweep
         return 1 if _small_gemv(D, GP) else 2
     return 8 if block_n * D * GP >= 8192 else 4   # grouped queries: not swept
 
@@ -787,9 +779,8 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, key_start=
 # ---------------------------------------------------------------------------- linear
 
 # The decode step's linears multiply a few rows (the batch) by a whole weight: bound by
-# reading the weight. cuBLAS picks well for most such shapes but not all (RESULTS_decode.md
-# runs 4-5: at bloom-560m's K=4096 linear it adds a split-K reduce kernel; at bloom-7b1's
-# N=4096 ones its kernel is 2-6% under a Triton one). Two Triton kernels:
+# reading the weight. cuBLAS picks well for most such shapes but not all (it may add a
+# split-K reduce kernel, or pick a slower kernel; docs/DECODE.md, section 5). Two Triton kernels:
 # - `_linear_kernel`: each program owns BLOCK_N output columns and walks all of K, bias and
 #   tanh-GELU in its epilogue (no second kernel);
 # - `_linear_part_kernel`: split-K into fp32 partials [S, rows, N] that the add+norm kernel
@@ -1230,7 +1221,7 @@ def linear(x, w, b=None, gelu: "bool | str" = False):
 # ---------------------------------------------------------------------------- per-shape choice
 
 # Triton candidates (BLOCK_N, BLOCK_K), 4 warps: the winners of benchmarks/linear_bench.py
-# over bloom-560m and bloom-7b1's decode linears at batch 1, 16 and 64 (RESULTS_decode.md run 5)
+# over bloom-560m and bloom-7b1's decode linears at batch 1, 16 and 64 (docs/DECODE.md, section 5)
 _TILES = ((16, 256), (32, 128), (32, 256), (64, 128))
 # a Conv1D weight [K, N] read through its transpose: contiguous along N, so wider N tiles
 _TILES_T = ((32, 128), (64, 128), (128, 64), (256, 32))
@@ -1241,7 +1232,7 @@ _CHOICE: dict = {}                                      # shape key -> (name, co
 
 # the TMA linear's (swap, BLOCK_N, BLOCK_K, stages), 4 warps, raced where `_tma_ok`: the
 # winners of `benchmarks/linear_bench.py --tma` over bloom-7b1's decode linears at batch 16
-# (RESULTS_decode.md run 13)
+# (docs/DECODE.md, section 6)
 _TILES_TMA = ((1, 64, 128, 4), (1, 64, 256, 3), (1, 128, 128, 4), (1, 64, 64, 6), (0, 32, 256, 4),
               (0, 64, 128, 4), (0, 64, 256, 3))
 _REFINE_TMA = ((4, 3), (4, 4), (4, 5), (4, 6), (8, 4))
@@ -1345,7 +1336,7 @@ def _choose(key: tuple, run, w, tma: bool = False):
                 logger.debug("decode linear candidate %s failed: %s", name, exc)
     race(cands)
     # then the fastest Triton config's warps and pipelining stages, also where cuBLAS led the
-    # first round (run 13: the TMA linears at bloom-7b1's QKV and fc1 passed it only so)
+    # first round (a refined TMA config can beat it there; docs/DECODE.md, section 5)
     triton_best = min((n for n in times if n != "cublas"), key=times.get, default=None)
     if triton_best is not None and times[triton_best] < float("inf"):
         cands = dict(cands, **_refined(triton_best, cands[triton_best], key[1] == "linear+norm"))
@@ -1480,8 +1471,8 @@ if triton is not None:
 
 def argmax(x):
     """x.argmax(-1) for 2-D [rows, V] on CUDA in two small kernels (slices of each row, then
-    their merge): torch's reduction ran one 13.6 us kernel over bloom's 250880 logits x 16
-    rows, a reduction it parallelises poorly (RESULTS_decode.md run 5). Same index as
+    their merge): torch parallelises this wide reduction poorly (docs/DECODE.md, section 3).
+    Same index as
     torch's, the first of equal maxima; NaN is taken as the largest value."""
     if (triton is None or x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] >= 2 ** 31
             or (x.device.type != "cuda" and not _interpreting())):
