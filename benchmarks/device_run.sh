@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
-# on the GPU machine with the wheels of ../shared/tools/device_wheels.sh in .whl/:
+# on the GPU machine with the wheels of benchmarks/GPU_SETUP.md in .whl/:
 #   bash benchmarks/device_run.sh gen|step3|step3fam|decode|profile7b|persistent OUT_DIR
 # persistent: a layer's four GEMVs at bloom-7b1's shapes, one kernel each against one persistent
 #   kernel with grid barriers (benchmarks/persistent_bench.py; a hang is cut off after 300 s)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Multi-GPU device calls (issue: multi-GPU runs; results in benchmarks/RESULTS.md). Run from a
-# checkout on a machine of N GPUs with the wheels of ../shared/tools/device_wheels.sh in .whl/:
+# Multi-GPU device calls (results in benchmarks/RESULTS.md). Run from a checkout on a
+# machine of N GPUs with the wheels of benchmarks/GPU_SETUP.md in .whl/:
 #   NGPU=2 bash benchmarks/device_run_multi.sh correctness|speed OUT_DIR
 #  correctness: per-rank logits vs HF (bloom-560m fp32+bf16, bloom-1b7 bf16), then 50 PPO steps
 #               of bloom-560m actor + critic at ZeRO-3 with the hybrid engine, every rank on its
