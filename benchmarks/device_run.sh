@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
+# One run of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
 # on the GPU machine with the wheels of benchmarks/GPU_SETUP.md in .whl/:
 #   bash benchmarks/device_run.sh gen|step3|step3fam|decode|profile7b|persistent OUT_DIR
 # persistent: a layer's four GEMVs at bloom-7b1's shapes, one kernel each against one persistent

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Multi-GPU device calls (results in benchmarks/RESULTS.md). Run from a checkout on a
+# Multi-GPU benchmark runs (results in benchmarks/RESULTS.md). Run from a checkout on a
 # machine of N GPUs with the wheels of benchmarks/GPU_SETUP.md in .whl/:
 #   NGPU=2 bash benchmarks/device_run_multi.sh correctness|speed OUT_DIR
 #  correctness: per-rank logits vs HF (bloom-560m fp32+bf16, bloom-1b7 bf16), then 50 PPO steps
