@@ -39,6 +39,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dschat.utils.errors import UserInputError
+from dschat.utils.run import main_guard
+
 REPO = Path(__file__).resolve().parents[1]
 PRESET_DIR = REPO / "configs" / "presets"
 DEMO = "demo"
@@ -55,10 +58,6 @@ DPO_FROM_STEP1 = ("max_seq_len", "per_device_train_batch_size", "per_device_eval
                   "gradient_checkpointing", "offload", "lora_dim", "lora_module_name", "only_optimize_lora")
 DPO_DEFAULTS = {"learning_rate": 5e-5, "weight_decay": 0.1, "dropout": 0.0}
 
-sys.path.insert(0, str(REPO))  # inference.common when run as a script from anywhere
-
-from dschat.utils.errors import UserInputError  # noqa: E402
-from dschat.utils.run import main_guard  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- presets

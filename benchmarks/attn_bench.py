@@ -17,13 +17,12 @@ import argparse
 import itertools
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dschat.engine import decode, decode_triton as dt  # noqa: E402
+from dschat.engine import decode
+from dschat.engine import decode_triton as dt
 
 SHAPES = {  # name: (batch, kv heads, head_dim, cache length)
     "bloom-560m B16": (16, 16, 64, 512),

@@ -19,7 +19,6 @@ import gc
 import importlib.util
 import json
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -27,7 +26,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def _load_decode():
@@ -92,8 +90,18 @@ PAD, EOS = 0, 1
 
 def build(preset: str, dtype, std=None):
     """Random-init HF causal LM of the preset's shape, created on the GPU in `dtype`."""
-    from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
-                              GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM)
+    from transformers import (
+        BloomConfig,
+        BloomForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        OPTConfig,
+        OPTForCausalLM,
+    )
     kind, cfg = PRESETS[preset]
     cls, conf = {"bloom": (BloomForCausalLM, BloomConfig), "opt": (OPTForCausalLM, OPTConfig),
                  "llama": (LlamaForCausalLM, LlamaConfig),
@@ -290,7 +298,9 @@ def _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample):
         res["logit_scale"] = max(float(l.abs().max()) for l in hf_logits[:4])
     if sample:
         skw = dict(kw, do_sample=True, top_k=50, top_p=0.9, temperature=0.8)
-        g = lambda: torch.Generator(device=DEV).manual_seed(123)
+
+        def g():
+            return torch.Generator(device=DEV).manual_seed(123)
         a = fg.generate(ids, mask, generator=g(), **skw)
         b, ssecs = sync_time(lambda: fg.generate(ids, mask, generator=g(), **skw))
         res["sample_reproducible"] = bool(torch.equal(a, b))
@@ -350,6 +360,7 @@ def profile_graph(model, ids, mask, path, steps=24):
     between kernels separately. Written as a table, per decode step, to `path`."""
     import collections
     import tempfile
+
     from torch.profiler import ProfilerActivity, profile
     fg = decode.FastGenerator(model, max_prompt_len=ids.shape[1], max_new_tokens=steps)
     kw = dict(max_new_tokens=steps, min_new_tokens=steps, pad_token_id=PAD, eos_token_id=EOS)

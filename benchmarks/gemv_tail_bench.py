@@ -24,14 +24,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.attn_bench import write_sweep  # noqa: E402
-from dschat.engine import decode_triton as dt  # noqa: E402
+from benchmarks.attn_bench import write_sweep
+from dschat.engine import decode_triton as dt
 
 triton, tl = dt.triton, getattr(dt, "tl", None)
 

@@ -16,13 +16,9 @@ Single process (ZeRO-3 world size 1, as the anchors in shared/docs/ANCHORS.md); 
 """
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PRESETS = {
     "tiny-bloom": dict(model_type="bloom", vocab_size=1024, hidden_size=128, n_layer=4, n_head=4),  # CPU smoke
@@ -164,10 +160,11 @@ def main(argv=None):
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1 (got {args.repeats})")
     import deepspeed
-    from dschat.engine.config import eval_ds_config
-    from dschat.utils.dist import get_rank, get_world_size, init_distributed
+
     from dschat.engine import gather as gather_mod
+    from dschat.engine.config import eval_ds_config
     from dschat.engine.hybrid import HybridActor
+    from dschat.utils.dist import get_rank, get_world_size, init_distributed
 
     device = init_distributed(args.local_rank)
     dtype = DTYPES[args.dtype]
@@ -263,10 +260,10 @@ def main(argv=None):
                 record(batch, label, out, runs, secs, peak, gather_s,
                        extra=dict(first_call_s=first_s, refill_share=gather_s / secs if secs else 0.0))
                 actor.release_inference_cache()
-                del actor
+                actor = None  # drop the replica before the next fill (closures above read the name)
                 torch.cuda.empty_cache() if device.type == "cuda" else None
             gather_mod.DIRECT_FILL = True
-        del engine, model
+        engine = model = None  # free before the next model (closures above read the names)
         torch.cuda.empty_cache() if device.type == "cuda" else None
     if get_rank() == 0:
         print_table(rows, bw)

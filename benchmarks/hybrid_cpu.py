@@ -21,12 +21,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse() -> argparse.Namespace:

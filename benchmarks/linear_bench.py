@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.attn_bench import graph_time_us, write_sweep  # noqa: E402
-from dschat.engine import decode_triton as dt  # noqa: E402
+from benchmarks.attn_bench import graph_time_us, write_sweep
+from dschat.engine import decode_triton as dt
 
 SHAPES = {  # name: (N, K, bias+GELU epilogue)
     "560m qkv": (3072, 1024, False), "560m dense": (1024, 1024, False),

@@ -19,14 +19,10 @@ Rank 0 prints one table with a row per (dtype, rank, path) and appends it to --o
 import argparse
 import copy
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.generation import DTYPES, PRESETS, build_model  # noqa: E402
+from benchmarks.generation import DTYPES, PRESETS, build_model
 
 
 def parse_args(argv=None):

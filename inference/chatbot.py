@@ -15,16 +15,12 @@ line is one turn, echoed after "Human:", so transcripts read like a session.
 """
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
-from dschat.utils.errors import UserInputError  # noqa: E402
-from dschat.utils.run import main_guard  # noqa: E402
-from inference.common import (ASSISTANT, HUMAN, Sampling, chat_format, load_causal_lm, pick_device,  # noqa: E402
-                              pick_dtype)
+from dschat.utils.errors import UserInputError
+from dschat.utils.run import main_guard
+from inference.common import ASSISTANT, HUMAN, Sampling, chat_format, load_causal_lm, pick_device, pick_dtype
 
 MARKERS = (HUMAN, ASSISTANT, "\nHuman:", "\nAssistant:")
 

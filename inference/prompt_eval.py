@@ -19,13 +19,22 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-
-from dschat.data.assets import BUNDLED_DATASET_NAME  # noqa: E402
-from dschat.utils.errors import UserInputError  # noqa: E402
-from dschat.utils.run import main_guard  # noqa: E402
-from inference.common import (Sampling, answer_logprobs, chat_format, generate_answers, heldout_prompts,  # noqa: E402
-                              load_causal_lm, load_reward, pick_device, pick_dtype, read_prompts, reward_scores)
+from dschat.data.assets import BUNDLED_DATASET_NAME
+from dschat.utils.errors import UserInputError
+from dschat.utils.run import main_guard
+from inference.common import (
+    Sampling,
+    answer_logprobs,
+    chat_format,
+    generate_answers,
+    heldout_prompts,
+    load_causal_lm,
+    load_reward,
+    pick_device,
+    pick_dtype,
+    read_prompts,
+    reward_scores,
+)
 
 
 def parse_args(argv=None):

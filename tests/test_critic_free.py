@@ -10,7 +10,6 @@ raising on one rank stops both with exit code 2, a grpo checkpoint resumes under
 """
 import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -182,6 +181,7 @@ def test_clip_fractions_split_the_clip_fraction_by_side():
 
 def _step3_problems(*extra, critic=True):
     import importlib.util
+
     from dschat.cli.validate import step3_problems
     spec = importlib.util.spec_from_file_location("step3_main_v", STEP3)
     main = importlib.util.module_from_spec(spec)

@@ -16,10 +16,20 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from dschat.data import (BUNDLED_DATASET_NAME, DataCollatorReward, DataCollatorRLHF,  # noqa: E402
-                         DataCollatorSFT, bundled_dataset_path, bundled_tokenizer_path,
-                         create_prompt_dataset, create_unsupervised_dataset, load_source,
-                         parse_data_split, prompt_cache_dir, split_conversation_pair)
+from dschat.data import (  # noqa: E402
+    BUNDLED_DATASET_NAME,
+    DataCollatorReward,
+    DataCollatorRLHF,
+    DataCollatorSFT,
+    bundled_dataset_path,
+    bundled_tokenizer_path,
+    create_prompt_dataset,
+    create_unsupervised_dataset,
+    load_source,
+    parse_data_split,
+    prompt_cache_dir,
+    split_conversation_pair,
+)
 from dschat.data import datasets as data_datasets  # noqa: E402
 from dschat.data.datasets import phase_rows  # noqa: E402
 from dschat.data.split import chunk_indices, permutation  # noqa: E402

@@ -10,13 +10,24 @@ import sys
 
 import pytest
 import torch
-from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
-                          GPTNeoXForCausalLM, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, OPTConfig,
-                          OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    BloomConfig,
+    BloomForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
-from dschat.engine.decode import (FastGenerator, fast_decode_supported,
-                                  fast_decode_unsupported_reason)
+from dschat.engine.decode import FastGenerator, fast_decode_supported, fast_decode_unsupported_reason
 from tests.dist_utils import REPO
 from tests.dist_utils import test_env as subprocess_env
 
@@ -280,7 +291,9 @@ def test_cuda_graph_matches_eager_and_hf(pdl, monkeypatch):
     kw = dict(max_new_tokens=T, eos_token_id=None, pad_token_id=PAD)
     assert torch.equal(graphs.generate(ids, mask, **kw), ref)
     assert torch.equal(eager.generate(ids, mask, **kw), ref)
-    gen = lambda: torch.Generator(device="cuda").manual_seed(5)
+
+    def gen():
+        return torch.Generator(device="cuda").manual_seed(5)
     a = graphs.generate(ids, mask, do_sample=True, generator=gen(), **kw)
     b = graphs.generate(ids, mask, do_sample=True, generator=gen(), **kw)
     assert torch.equal(a, b)

@@ -13,8 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dschat.data import DataCollatorReward, bundled_tokenizer_path, create_prompt_dataset
 from dschat.models.model_utils import load_tokenizer
-from dschat.rlhf.dpo import (answer_mask, divergence_index, dpo_losses, sequence_logps, split_pairs,
-                             token_kl_sum)
+from dschat.rlhf.dpo import answer_mask, divergence_index, dpo_losses, sequence_logps, split_pairs, token_kl_sum
 from dschat.utils import checkpoint as C
 from dschat.utils.metrics import read_metrics
 from tests.dist_utils import REPO, run_deepspeed, run_python

@@ -9,9 +9,18 @@ import pytest
 import torch
 
 from dschat.rlhf.estimators import (
-    AdaptiveKLController, FixedKLController, aggregate_loss, broadcast_to_tokens,
-    clipped_policy_loss, filter_groups, group_advantages, kl_estimate, overlong_penalty,
-    reinforce_pp_advantages, reinforce_pp_returns, rloo_advantages,
+    AdaptiveKLController,
+    FixedKLController,
+    aggregate_loss,
+    broadcast_to_tokens,
+    clipped_policy_loss,
+    filter_groups,
+    group_advantages,
+    kl_estimate,
+    overlong_penalty,
+    reinforce_pp_advantages,
+    reinforce_pp_returns,
+    rloo_advantages,
 )
 from dschat.rlhf.ppo_math import actor_loss, compute_kl_rewards, masked_mean, masked_whiten
 

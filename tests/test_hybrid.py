@@ -8,7 +8,6 @@ parameter is left gathered.
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,17 +15,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import REPO, run_deepspeed
-
-sys.path.insert(0, str(REPO / "tests" / "dist"))
-import hybrid_common as hc  # noqa: E402
-
-from dschat.engine.gather import (GatherBudgetError, GatherPlan, GatherScheduler, LayeredReplica,  # noqa: E402
-                                  build_replica, fill_replica, get_scheduler, release_replica)
+from dschat.engine.gather import (
+    GatherBudgetError,
+    GatherPlan,
+    GatherScheduler,
+    LayeredReplica,
+    build_replica,
+    fill_replica,
+    get_scheduler,
+    release_replica,
+)
 from dschat.engine.hybrid import HybridActor
-from dschat.registry import position_ids_for  # noqa: E402
-from dschat.registry import family_of, resolve, unwrap_peft  # noqa: E402
-from dschat.utils.errors import UserInputError  # noqa: E402
+from dschat.registry import family_of, position_ids_for, resolve, unwrap_peft
+from dschat.utils.errors import UserInputError
+from tests.dist import hybrid_common as hc
+from tests.dist_utils import REPO, run_deepspeed
 
 FAMILIES = ["bloom", "opt", "llama", "gpt_neox", "gpt2"]
 

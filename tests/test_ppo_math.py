@@ -10,9 +10,21 @@ import torch
 
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.ppo_math import (
-    action_mask_from_attention, actor_loss, answer_slice, answer_tokens, approx_kl,
-    compute_gae, compute_kl_rewards, critic_loss, ema_update_, entropy_from_logits,
-    gather_log_probs, last_token_index, masked_mean, masked_sum_count, masked_whiten,
+    action_mask_from_attention,
+    actor_loss,
+    answer_slice,
+    answer_tokens,
+    approx_kl,
+    compute_gae,
+    compute_kl_rewards,
+    critic_loss,
+    ema_update_,
+    entropy_from_logits,
+    gather_log_probs,
+    last_token_index,
+    masked_mean,
+    masked_sum_count,
+    masked_whiten,
 )
 
 LN = math.log

@@ -6,8 +6,16 @@ import pytest
 import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dschat.registry import (REGISTRY, UnknownModelTypeError, blocks_of, family_of, get_family,
-                             head_is_tied, is_linear, resolve)
+from dschat.registry import (
+    REGISTRY,
+    UnknownModelTypeError,
+    blocks_of,
+    family_of,
+    get_family,
+    head_is_tied,
+    is_linear,
+    resolve,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "tiny"
 TINY = {

@@ -6,8 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from dschat.models.model_utils import create_hf_model, load_tokenizer, save_hf_format
-from dschat.models.reward_model import (create_reward_model, is_reward_checkpoint, last_token_index,
-                                        load_reward_model, save_reward_model)
+from dschat.models.reward_model import (
+    create_reward_model,
+    is_reward_checkpoint,
+    last_token_index,
+    load_reward_model,
+    save_reward_model,
+)
 from dschat.utils.errors import UserInputError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "tiny"

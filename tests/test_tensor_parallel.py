@@ -11,23 +11,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
+from dschat.engine.gather import GatherScheduler
+from dschat.engine.tensor_parallel import TPInference, cut_table, tp_size_problems, vocab_bounds
+from dschat.registry import family_of, position_ids_for, resolve, tp_head_counts
+from tests.dist import hybrid_common as hc
 from tests.dist_utils import REPO, run_deepspeed
-
-sys.path.insert(0, str(REPO / "tests" / "dist"))
-import hybrid_common as hc  # noqa: E402
-
-from dschat.engine.gather import GatherScheduler  # noqa: E402
-from dschat.registry import position_ids_for  # noqa: E402
-from dschat.engine.tensor_parallel import (TPInference, cut_table, tp_size_problems,  # noqa: E402
-                                           vocab_bounds)
-from dschat.registry import family_of, resolve, tp_head_counts  # noqa: E402
 
 TP_FAMILIES = ["bloom", "opt", "llama", "gpt_neox"]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dschat.cli.flags import split_fractions
 from dschat.engine.config import frozen_stage
 from dschat.utils.errors import UserInputError
-from dschat.cli.flags import split_fractions
 
 
 def raise_problems(problems: list[str]) -> None:

@@ -8,8 +8,13 @@ Public API (other modules import from here):
 """
 from dschat.data.assets import BUNDLED_DATASET_NAME, bundled_dataset_path, bundled_tokenizer_path
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF, DataCollatorSFT
-from dschat.data.datasets import (BlockDataset, PromptDataset, create_prompt_dataset,
-                                  create_unsupervised_dataset, prompt_cache_dir)
+from dschat.data.datasets import (
+                                  BlockDataset,
+                                  PromptDataset,
+                                  create_prompt_dataset,
+                                  create_unsupervised_dataset,
+                                  prompt_cache_dir,
+)
 from dschat.data.formats import Row, detect_format, split_conversation_pair
 from dschat.data.sources import NAMED_DATASETS, Source, load_source, resolve_entry
 from dschat.data.split import parse_data_split

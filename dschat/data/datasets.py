@@ -20,10 +20,17 @@ from dschat.data import formats as F
 from dschat.data.cache import build_once, cache_key, tokenizer_fingerprint
 from dschat.data.chat import ChatFormat
 from dschat.data.sources import Source, fingerprint, iter_entries, load_source, resolve_entry
-from dschat.data.split import (chunk_indices, parse_data_split, permutation, take,
-                               train_eval_indices)
-from dschat.data.tokenize import (encode, end_of_conversation_text, pack, packed_item,
-                                  packed_len, pad_right, pad_token_id, truncate)
+from dschat.data.split import chunk_indices, parse_data_split, permutation, take, train_eval_indices
+from dschat.data.tokenize import (
+    encode,
+    end_of_conversation_text,
+    pack,
+    packed_item,
+    packed_len,
+    pad_right,
+    pad_token_id,
+    truncate,
+)
 from dschat.utils.errors import UserInputError
 from dschat.utils.logging import get_logger
 

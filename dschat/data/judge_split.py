@@ -24,8 +24,6 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
-
 from dschat.data.formats import Row
 from dschat.data.sources import iter_entries, load_source
 from dschat.data.split import permutation

@@ -29,18 +29,21 @@ same helper for its log-probs to match.
 """
 from __future__ import annotations
 
-import os
-
 import contextlib
 import time
 from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from dschat.engine.gather import (GatherScheduler, LayeredReplica, build_replica, fill_replica,
-                                  get_scheduler, release_replica)
+from dschat.engine.gather import (
+    GatherScheduler,
+    LayeredReplica,
+    build_replica,
+    fill_replica,
+    get_scheduler,
+    release_replica,
+)
 from dschat.engine.zero import is_zero3_param
 from dschat.registry import logits_to_keep_kwargs, position_ids_for, unwrap_peft
 from dschat.utils import dist

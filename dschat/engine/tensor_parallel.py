@@ -57,9 +57,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dschat.engine.decode import attention_window
-from dschat.engine.gather import (GatherPlan, GatherScheduler, PendingGather, bind_param, lora_delta,
-                                  needs_gather, full_nbytes, get_scheduler, release_replica)
-from dschat.registry import (REGISTRY, family_of, head_is_tied, resolve, tp_head_counts, unwrap_peft)
+from dschat.engine.gather import (
+    GatherPlan,
+    GatherScheduler,
+    PendingGather,
+    bind_param,
+    full_nbytes,
+    get_scheduler,
+    lora_delta,
+    needs_gather,
+    release_replica,
+)
+from dschat.registry import REGISTRY, family_of, head_is_tied, resolve, tp_head_counts, unwrap_peft
 from dschat.utils import dist
 from dschat.utils.errors import UserInputError
 from dschat.utils.logging import get_logger, is_rank_0

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, peak_memory_gib
 from dschat.engine.zero import release_prefetched
+from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, peak_memory_gib
 from dschat.utils.logging import print_rank_0
 
 

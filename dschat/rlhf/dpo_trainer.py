@@ -10,12 +10,20 @@ from dataclasses import dataclass
 import torch
 
 from dschat.engine.config import eval_ds_config, frozen_stage
-from dschat.utils.dist import all_reduce_sum
 from dschat.engine.train_utils import abandon_accumulation, to_device
 from dschat.engine.zero import initialize_engine, release_prefetched
 from dschat.models.model_utils import build_lm_engine, create_hf_model
-from dschat.rlhf.dpo import (STAT_KEYS, answer_mask, dpo_losses, pair_stats, sequence_logps, split_pairs,
-                             summarize, token_kl_sum)
+from dschat.rlhf.dpo import (
+    STAT_KEYS,
+    answer_mask,
+    dpo_losses,
+    pair_stats,
+    sequence_logps,
+    split_pairs,
+    summarize,
+    token_kl_sum,
+)
+from dschat.utils.dist import all_reduce_sum
 
 
 @dataclass

@@ -8,8 +8,8 @@ from dataclasses import dataclass, fields, replace
 from typing import List, Optional, Sequence
 
 import torch
-from torch import Tensor
 import torch.nn.functional as F
+from torch import Tensor
 
 # Fields indexed by answer position ([B, A]); concat pads them on the right.
 _ANSWER_FIELDS = ("action_mask", "logprobs", "ref_logprobs", "values", "advantages", "returns")

@@ -15,12 +15,12 @@ import torch
 from torch.profiler import record_function
 
 from dschat.engine.train_utils import lm_loss_sum
+from dschat.registry import logits_to_keep_kwargs, position_ids_for
 from dschat.rlhf import estimators as est
 from dschat.rlhf import ppo_math as pm
 from dschat.rlhf.engine import RLHFEngines, update_ema
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.reward_fn import RewardFunctionError, combine_rewards, score
-from dschat.registry import logits_to_keep_kwargs, position_ids_for
 from dschat.utils import dist
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 LAYERS = 2
 # (model_type, the published config's shape keys); layers cut to LAYERS.

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 MAINS = {1: "training/step1_supervised_finetuning/main.py",
          2: "training/step2_reward_model_finetuning/main.py",

@@ -18,10 +18,8 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "dist"))
 
-from resume_driver import load_main  # noqa: E402
+from resume_driver import load_main
 
 
 def _free_port() -> int:

@@ -18,18 +18,26 @@ import time
 import torch
 from tqdm import tqdm
 
+from dschat.cli import flags
+from dschat.cli.validate import validate_step1
 from dschat.data import create_prompt_dataset
 from dschat.engine.config import train_ds_config
-from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, init_distributed
-from dschat.engine.train_utils import (abandon_accumulation, evaluate_lm, lm_loss_sum, log_train_step,
-                                       make_loader, micro_batch_groups, to_device, token_count)
+from dschat.engine.train_utils import (
+    abandon_accumulation,
+    evaluate_lm,
+    lm_loss_sum,
+    log_train_step,
+    make_loader,
+    micro_batch_groups,
+    to_device,
+    token_count,
+)
 from dschat.models.model_utils import build_lm_engine, load_tokenizer, save_hf_format
-from dschat.cli import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
+from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, init_distributed
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import metrics_logger_for
 from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
-from dschat.cli.validate import validate_step1
 
 
 def parse_args(argv=None):

@@ -20,22 +20,21 @@ import argparse
 import json
 import time
 
-import torch
 from tqdm import tqdm
 
+from dschat.cli import flags
+from dschat.cli.validate import validate_step2_dpo
 from dschat.data import DataCollatorReward, create_prompt_dataset
 from dschat.engine.config import train_ds_config
-from dschat.utils.dist import get_rank, get_world_size, init_distributed
 from dschat.engine.train_utils import log_train_step, make_loader, micro_batch_groups
 from dschat.models.model_utils import load_tokenizer, save_hf_format
 from dschat.rlhf.dpo import LOSS_TYPES, summarize
 from dschat.rlhf.dpo_trainer import DPOConfig, build_dpo_engines, evaluate, train_step
-from dschat.cli import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
+from dschat.utils.dist import get_rank, get_world_size, init_distributed
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import metrics_logger_for
 from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
-from dschat.cli.validate import validate_step2_dpo
 
 
 def build_parser() -> argparse.ArgumentParser:

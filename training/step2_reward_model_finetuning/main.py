@@ -17,22 +17,21 @@ import time
 import torch
 from tqdm import tqdm
 
+from dschat.cli import flags
+from dschat.cli.validate import validate_step2
 from dschat.data import DataCollatorReward, create_prompt_dataset
 from dschat.engine.config import train_ds_config
-from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, init_distributed
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
-from dschat.engine.train_utils import (abandon_accumulation, log_train_step, make_loader, micro_batch_groups,
-                                       to_device)
+from dschat.engine.train_utils import abandon_accumulation, log_train_step, make_loader, micro_batch_groups, to_device
 from dschat.engine.zero import initialize_engine, release_prefetched
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import load_tokenizer
 from dschat.models.reward_model import create_reward_model, save_reward_model
-from dschat.cli import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
+from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, init_distributed
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import metrics_logger_for
 from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
-from dschat.cli.validate import validate_step2
 
 
 def parse_args(argv=None):

@@ -32,11 +32,12 @@ from itertools import chain, cycle
 import torch
 from tqdm import tqdm
 
+from dschat.cli import flags
+from dschat.cli.validate import raise_problems, validate_step3
 from dschat.data import DataCollatorRLHF, create_prompt_dataset, create_unsupervised_dataset
 from dschat.data.chat import ChatFormat
 from dschat.data.tokenize import end_of_conversation_text
 from dschat.engine.gather import get_scheduler
-from dschat.utils.dist import all_reduce_mean, all_reduce_sum, get_rank, get_world_size, init_distributed, peak_memory_gib
 from dschat.engine.train_utils import abandon_accumulation, make_loader, to_device
 from dschat.models.model_utils import load_tokenizer, save_hf_format
 from dschat.models.reward_model import save_reward_model
@@ -45,13 +46,19 @@ from dschat.rlhf.engine import build_rlhf_engines, ppo_optimizer_steps
 from dschat.rlhf.estimators import KL_KINDS, LOSS_AGG_MODES
 from dschat.rlhf.reward_fn import describe, load_reward_fn
 from dschat.rlhf.trainer import PPOConfig, PPOTrainer, RewardFn
-from dschat.cli import flags
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
+from dschat.utils.dist import (
+    all_reduce_mean,
+    all_reduce_sum,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    peak_memory_gib,
+)
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import metrics_logger_for
 from dschat.utils.profiling import StepProfiler, add_profile_args
 from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
-from dschat.cli.validate import raise_problems, validate_step3
 
 
 def parse_args(argv=None):
