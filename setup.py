@@ -11,5 +11,5 @@ setup(
     package_data={"dschat": ["assets/tokenizer/*", "assets/data/*"]},
     include_package_data=True,
     python_requires=">=3.9",
-    install_requires=[l.strip() for l in open("requirements.txt") if l.strip() and not l.startswith("#")],
+    install_requires=[line.strip() for line in open("requirements.txt") if line.strip() and not line.startswith("#")],
 )

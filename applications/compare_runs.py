@@ -64,7 +64,8 @@ def table(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-CURVES = (("ppo/reward_mean", "policy-RM reward of the rollouts"), ("ppo/kl_per_answer", "KL to the reference per answer"),
+CURVES = (("ppo/reward_mean", "policy-RM reward of the rollouts"),
+          ("ppo/kl_per_answer", "KL to the reference per answer"),
           ("gen/answer_len_mean", "answer tokens"))
 
 
@@ -78,7 +79,8 @@ def plot(folders: list[Path], out: str) -> None:
 
     fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.8))
     for folder in folders:
-        path = next((p for p in (folder / "step3" / "metrics.jsonl", folder / "step3.metrics.jsonl") if p.is_file()), None)
+        candidates = (folder / "step3" / "metrics.jsonl", folder / "step3.metrics.jsonl")
+        path = next((p for p in candidates if p.is_file()), None)
         if path is None:
             continue
         records = read_metrics(path)

@@ -259,7 +259,8 @@ def step_memory_gb(step: int, flags: dict, actor: dict, critic: dict, gpus: int)
         "actor": model_state_gb(a_b, a_stage, gpus, offload=offload,
                                 lora_params_b=lora_params(actor, flags.get("actor_lora_dim", 0)) if only_lora else 0),
         "critic": model_state_gb(c_b, c_stage, gpus, offload=offload,
-                                 lora_params_b=lora_params(critic, flags.get("critic_lora_dim", 0)) if only_lora else 0),
+                                 lora_params_b=(lora_params(critic, flags.get("critic_lora_dim", 0))
+                                                if only_lora else 0)),
         "reference": model_state_gb(a_b, frozen(a_stage), gpus, trained=False,
                                     offload=bool(flags.get("offload_reference_model"))),
         "reward": model_state_gb(c_b, frozen(c_stage), gpus, trained=False,
@@ -267,7 +268,8 @@ def step_memory_gb(step: int, flags: dict, actor: dict, critic: dict, gpus: int)
     }
     if a_stage == 3 and flags.get("enable_hybrid_engine"):
         layers = actor.get("num_layers", 24)
-        share = min(1.0, flags.get("tp_gather_partition_size", 8) / layers) if flags.get("unpin_actor_parameters") else 1.0
+        share = (min(1.0, flags.get("tp_gather_partition_size", 8) / layers)
+                 if flags.get("unpin_actor_parameters") else 1.0)
         parts["replica"] = 2 * a_b * share
     parts["total"] = sum(parts.values())
     return parts
@@ -643,7 +645,8 @@ def overview_plot(steps: list[Step], heldout_file: str | None, out_path: Path) -
                 ax.plot(xs, ys, marker="." if len(xs) <= 30 else None, label=label, linewidth=1.2)
                 if key == "ppo/reward_mean" and len(ys) >= 10:
                     k = max(5, len(ys) // 10)
-                    smooth = [sum(ys[max(0, i - k + 1):i + 1]) / len(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
+                    windows = [ys[max(0, i - k + 1):i + 1] for i in range(len(ys))]
+                    smooth = [sum(w) / len(w) for w in windows]
                     ax.plot(xs, smooth, linewidth=2.2, label=f"mean of last {k}")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
@@ -788,8 +791,9 @@ def judged_table(r: dict) -> list[str]:
          fmt((r.get("ppo_kl_per_answer") or {}).get("after"), ".2f"), "", None),
         ("answer tokens, mean", fmt(ho.get("baseline_answer_tokens_mean"), ".1f"),
          fmt(ho.get("finetune_answer_tokens_mean"), ".1f"), "", None),
-        ("distinct-2 of the answers", fmt(d2b), fmt(d2f), f"within {t['distinct_2_relative_change_max']:.0%} of SFT"
-         if "distinct_2_relative_change_max" in t else "", check(d2_change, t.get("distinct_2_relative_change_max"), "max")),
+        ("distinct-2 of the answers", fmt(d2b), fmt(d2f),
+         f"within {t['distinct_2_relative_change_max']:.0%} of SFT" if "distinct_2_relative_change_max" in t else "",
+         check(d2_change, t.get("distinct_2_relative_change_max"), "max")),
         ("answers that end at the end of turn (not cut at the length limit)", fmt(ho.get("baseline_ended_share")),
          fmt(ho.get("finetune_ended_share")), f">= {t['ended_share_min']}" if "ended_share_min" in t else "",
          check(ho.get("finetune_ended_share"), t.get("ended_share_min"), "min")),
@@ -843,7 +847,8 @@ def report_markdown(r: dict) -> str:
         lines += ["", f"| prompt | step-1 answer ({what}) | PPO answer ({what}) |", "|---|---|---|"]
         for ex in ho["examples"]:
             q = " ".join(ex["prompt"].replace("Human:", "").replace("Assistant:", "").split())
-            scores = {c: fmt(ex.get(f"{c}_reward"), "+.2f") + (f", {fmt(ex.get(f'{c}_judge'), '+.2f')}" if judged else "")
+            scores = {c: fmt(ex.get(f"{c}_reward"), "+.2f")
+                      + (f", {fmt(ex.get(f'{c}_judge'), '+.2f')}" if judged else "")
                       for c in ("baseline", "finetune")}
             lines.append(f"| {q} | {cell(ex.get('baseline', ''))} ({scores['baseline']}) "
                          f"| {cell(ex.get('finetune', ''))} ({scores['finetune']}) |")
@@ -923,7 +928,8 @@ def parse_args(argv=None):
     g.add_argument("--kl-samples", type=int, default=None,
                    help="Sampled answers per held-out prompt for KL(PPO || SFT) per answer (default: the "
                         "preset's, else 0: not measured).")
-    g.add_argument("--eval-prompts-file", default=None, help="Use these prompts instead (see inference/prompt_eval.py).")
+    g.add_argument("--eval-prompts-file", default=None,
+                   help="Use these prompts instead (see inference/prompt_eval.py).")
     g.add_argument("--eval-batch-size", type=int, default=None,
                    help="Prompts per generate call in the held-out evaluation (default: the preset's, else 16).")
     g.add_argument("--report-examples", type=int, default=None, help="Example answers in the report "
@@ -957,7 +963,8 @@ def list_presets() -> None:
         p = load_preset(name)
         rows = ", ".join(f"{k}({v['num_gpus']}): ZeRO {v['actor_zero_stage']}/{v['reward_zero_stage']}"
                          for k, v in p["deployments"].items())
-        print(f"{name:<12} {p['model']:<28} {p.get('params_billion', 0):>6.2f}B  {p.get('reward_model', '-'):<12} {rows}")
+        print(f"{name:<12} {p['model']:<28} {p.get('params_billion', 0):>6.2f}B  "
+              f"{p.get('reward_model', '-'):<12} {rows}")
 
 
 def gpu_count(args, row: dict, deployment: str) -> int:
@@ -1022,7 +1029,8 @@ def main(argv=None):
         raise UserInputError(f"--deployment-type {deployment}: no GPU is visible here; use --deployment-type cpu "
                              "(the demo) or --dry-run to see the commands")
     name = Path(args.actor_model).stem if is_preset(args.actor_model) else Path(args.actor_model.rstrip("/")).name
-    args.output_dir = args.output_dir or str(REPO / "output" / ("e2e-demo" if args.actor_model == DEMO else f"e2e/{name}"))
+    default_out = REPO / "output" / ("e2e-demo" if args.actor_model == DEMO else f"e2e/{name}")
+    args.output_dir = args.output_dir or str(default_out)
     out = Path(args.output_dir)
     actor = resolve_model(args.actor_model, "actor", args.actor_preset, args.random_init, out)
     eval_settings(args, actor)
@@ -1067,7 +1075,8 @@ def main(argv=None):
         for earlier in steps[:step.number - 1]:
             if not earlier.complete():
                 raise UserInputError(f"{step.name} needs the output of {earlier.name} in {earlier.out}, which is "
-                                     f"not complete (missing {', '.join(earlier.done_files)}); add --step {earlier.number}")
+                                     f"not complete (missing {', '.join(earlier.done_files)}); "
+                                     f"add --step {earlier.number}")
         cmd = launcher_argv(args, deployment, gpus) + step.argv
         checkpoint = None if args.force else latest_checkpoint(step.out)
         if checkpoint is not None and "--resume" not in cmd:
@@ -1084,7 +1093,8 @@ def main(argv=None):
             return rc
         if not wait_complete(step, args.output_wait):
             raise UserInputError(f"{step.name} exited 0 but {step.out} lacks {', '.join(step.done_files)} "
-                                 f"after {args.output_wait} s (multi-node: --output-dir must be on a shared filesystem)")
+                                 f"after {args.output_wait} s "
+                                 "(multi-node: --output-dir must be on a shared filesystem)")
         print(f"==> {step.name} done in {timings[step.key]:.0f} s: {step.out}", flush=True)
         retrained.append(step.name)
 

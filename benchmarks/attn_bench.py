@@ -180,7 +180,8 @@ def write_sweep(out: str, stem: str, what: str, case: str, tb_label: str, err_la
     lines = [f"{device} torch {torch.__version__}; {what}, bf16, replayed from a CUDA graph", "",
              f"| shape | {case} | variant | us/call | {tb_label} | {err_label} |", "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["shape"], r[case], r["us"] if r["us"] == r["us"] else 1e9)):
-        lines.append(f"| {r['shape']} | {r[case]} | {r['variant']} | {r['us']:.2f} | {r['tb_s']:.2f} | {r['err']:.2e} |")
+        lines.append(f"| {r['shape']} | {r[case]} | {r['variant']} | {r['us']:.2f} | {r['tb_s']:.2f} | "
+                     f"{r['err']:.2e} |")
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"{stem}_results.md").write_text("\n".join(lines) + "\n")
     (Path(out) / f"{stem}_results.json").write_text(json.dumps(rows, indent=1))

@@ -186,7 +186,8 @@ def hf_run(model, ids, mask, T, keep_logits):
 # the module switches a variant's flags may set; fast_run puts them back after each run
 _KNOBS = [(decode, "DECODE_SDPA_BACKENDS")] + [(decode.decode_triton, name) for name in (
     "ATTN_SPLITS", "ATTN_BLOCK_N", "FUSE_KV_WRITE", "ATTN_INLINE_COMBINE", "DECODE_LINEAR", "TRITON_ARGMAX",
-    "ATTN_DOT", "PDL", "_TUNE_MARGIN", "PDL_PREFETCH", "PDL_PREFETCH_ATTN", "ATTN_PAD_HEAD_DIM", "FUSE_GATED", "ATTN_WARPS",
+    "ATTN_DOT", "PDL", "_TUNE_MARGIN", "PDL_PREFETCH", "PDL_PREFETCH_ATTN", "ATTN_PAD_HEAD_DIM", "FUSE_GATED",
+    "ATTN_WARPS",
     "ATTN_PV_LOW", "ATTN_SKIP_PAD", "LINEAR_TMA")]
 
 
@@ -295,7 +296,7 @@ def _fast_run(model, ids, mask, T, numerics, attn, flags, hf_logits, sample):
         res["agree_seqs"] = fg.generate(ids, mask, **kw)
         fg.step_callback = None
         res["diffs"] = diffs
-        res["logit_scale"] = max(float(l.abs().max()) for l in hf_logits[:4])
+        res["logit_scale"] = max(float(x.abs().max()) for x in hf_logits[:4])
     if sample:
         skw = dict(kw, do_sample=True, top_k=50, top_p=0.9, temperature=0.8)
 

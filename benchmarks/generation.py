@@ -285,7 +285,8 @@ def table_markdown(rows, bw) -> str:
         ratio = r["tokens_per_s"] / hf[(r["model"], r["batch"])] if (r["model"], r["batch"]) in hf else float("nan")
         runs = r["run_seconds"]
         spread = f" {(max(runs) - min(runs)) / (sorted(runs)[(len(runs) - 1) // 2] or 1):.1%} |" if repeats > 1 else ""
-        lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.2f} | "
+        lines.append(f"| {r['model']} | {r['batch']} | {r['mode']} | {r['tokens_per_s']:.0f} | "
+                     f"{r['ms_per_step']:.2f} | "
                      f"{ratio:.2f} | {r['floor_ms']:.2f} | {r['peak_gib']:.1f} | {r['gather_s']:.3f} | "
                      f"{r['same_rows_as_hf']:.2f} |" + spread)
     busy = [r for r in rows if "gpu_busy_share" in r]

@@ -1,9 +1,9 @@
 """Generation under ZeRO-3 on CPU ranks: hybrid off vs ours (full, layered) vs DeepSpeed's
 `unwrap_model_for_generation`, side by side.
 
-    deepspeed --num_gpus 2 benchmarks/hybrid_cpu.py [--modes off,full,layered,ds_unwrap] [--layers 6 --hidden 512 --heads 8
-        --vocab 4096 --batch 4 --prompt_len 32 --new_tokens 32 --repeats 3 --group_size 2
-        --json out.json]
+    deepspeed --num_gpus 2 benchmarks/hybrid_cpu.py [--modes off,full,layered,ds_unwrap]
+        [--layers 6 --hidden 512 --heads 8 --vocab 4096 --batch 4 --prompt_len 32 --new_tokens 32 --repeats 3
+        --group_size 2 --json out.json]
 
 A random-init Bloom from config, fp32, ZeRO-3 with persistence threshold 0 (every weight
 partitioned), each rank its own left-padded prompts, greedy, `min_new_tokens =
@@ -167,10 +167,12 @@ def main():
     dist.all_reduce(equal, op=dist.ReduceOp.MIN)
     if rank == 0:
         n_params = plan_bytes // 4
-        print(f"\nBloom {args.layers}x{args.hidden} ({n_params / 1e6:.1f}M params, fp32, {plan_bytes / 2**20:.1f} MiB), "
+        print(f"\nBloom {args.layers}x{args.hidden} ({n_params / 1e6:.1f}M params, fp32, "
+              f"{plan_bytes / 2**20:.1f} MiB), "
               f"ZeRO-3 over {dist.get_world_size()} CPU ranks, batch {args.batch}/rank, prompt {args.prompt_len}, "
               f"{args.new_tokens} new tokens, median of {args.repeats}; layered group size {args.group_size}")
-        print("| mode | s/rollout | ms/step | speed-up vs off | gather s | copy s | gather MiB | first call s | tokens = off |")
+        print("| mode | s/rollout | ms/step | speed-up vs off | gather s | copy s | gather MiB | first call s "
+              "| tokens = off |")
         print("|---|---|---|---|---|---|---|---|---|")
         names = {"off": "hybrid off (ZeRO-3 hooks, synced_gpus)", "full": "ours: full replica",
                  "layered": "ours: layered", "ds_unwrap": "DeepSpeed unwrap_model_for_generation",

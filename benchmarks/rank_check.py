@@ -139,11 +139,13 @@ def table_markdown(rows, title) -> str:
     def f(r, k, fmt):
         return format(r[k], fmt) if k in r else ""
     lines = [title, "",
-             "| dtype | rank | path | rel. error vs HF | max abs diff | max abs vs rank 0 | same rows | same step-0 token |",
+             "| dtype | rank | path | rel. error vs HF | max abs diff | max abs vs rank 0 | same rows "
+             "| same step-0 token |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['rank']} | {r['path']} | {f(r, 'rel_err', '.2e')} | {f(r, 'max_abs', '.3g')} | "
-                     f"{f(r, 'vs_rank0_max_abs', '.3g')} | {f(r, 'same_rows', '.2f')} | {f(r, 'same_first_token', '.2f')} |")
+        lines.append(f"| {r['dtype']} | {r['rank']} | {r['path']} | {f(r, 'rel_err', '.2e')} | "
+                     f"{f(r, 'max_abs', '.3g')} | {f(r, 'vs_rank0_max_abs', '.3g')} | {f(r, 'same_rows', '.2f')} | "
+                     f"{f(r, 'same_first_token', '.2f')} |")
     return "\n".join(lines) + "\n\n"
 
 

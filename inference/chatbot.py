@@ -28,14 +28,16 @@ MARKERS = (HUMAN, ASSISTANT, "\nHuman:", "\nAssistant:")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True,
-                   help="A causal-LM folder: step-1 output, step-3 actor/, or a hub name (a config.json: random weights).")
+                   help="A causal-LM folder: step-1 output, step-3 actor/, or a hub name "
+                        "(a config.json: random weights).")
     p.add_argument("--max_new_tokens", type=int, default=128, help="Answer tokens at most per turn.")
     p.add_argument("--temperature", type=float, default=None, help="Sample at this temperature (default: greedy).")
     p.add_argument("--top_p", type=float, default=None, help="Nucleus sampling.")
     p.add_argument("--top_k", type=int, default=None, help="Top-k sampling.")
     p.add_argument("--repetition_penalty", type=float, default=None, help="HF repetition penalty (e.g. 1.2).")
     p.add_argument("--max_history_tokens", type=int, default=None,
-                   help="Prompt budget incl. history (default: the model's context minus --max_new_tokens, at most 2048).")
+                   help="Prompt budget incl. history (default: the model's context minus --max_new_tokens, "
+                        "at most 2048).")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda:0 if present, else cpu).")
     p.add_argument("--dtype", default=None, choices=("fp32", "fp16", "bf16"),
                    help="Model precision (default: bf16 on GPU, fp32 on CPU).")

@@ -41,7 +41,8 @@ def _batch(B=6, P=3, A=5, seed=0):
     mask[1, 3:] = 0
     mask[4, 2:] = 0
     seq = torch.randint(2, 50, (B, P + A), generator=g)
-    return Experience(prompts=seq[:, :P], seq=seq, attention_mask=torch.cat([torch.ones(B, P, dtype=torch.long), mask], 1),
+    return Experience(prompts=seq[:, :P], seq=seq,
+                      attention_mask=torch.cat([torch.ones(B, P, dtype=torch.long), mask], 1),
                       action_mask=mask, logprobs=-torch.rand(B, A, generator=g),
                       ref_logprobs=-torch.rand(B, A, generator=g), values=torch.randn(B, A, generator=g),
                       rewards=torch.tensor([1.0, 0.0, 2.0, 0.5, 0.5, 3.0]), prompt_lens=torch.full((B,), P))
@@ -113,7 +114,8 @@ def test_reward_functions_get_texts_and_fields_weights_overlong_and_bad_rows():
         return [0.5] * len(answers)
 
     fns = [RewardFn("by_answer", "by_answer (test)", by_answer), RewardFn("constant", "constant (test)", constant)]
-    trainer = _trainer(fns, reward=False, tokenizer=tok, n_samples_per_prompt=2, reward_weights=[2.0, 1.0], skip_bad_rewards=True,
+    trainer = _trainer(fns, reward=False, tokenizer=tok, n_samples_per_prompt=2, reward_weights=[2.0, 1.0],
+                       skip_bad_rewards=True,
                        max_answer_seq_len=8, overlong_buffer=4)
     answers = ["7", "8", "12", "12", "5", "5"]
     seq, pmask, amask = _scoring_batch(tok, ["q1"] * 2 + ["q2"] * 2 + ["q3"] * 2, answers)
@@ -204,7 +206,8 @@ def test_bad_critic_free_flag_combinations_are_one_line_each_naming_the_flag(tmp
     problems = _step3_problems("--algorithm", "rloo", "--n_samples_per_prompt", "4", "--reward_fn", f"{rewards}:nope",
                                "--per_device_generation_batch_size", "6", "--kl_ctl", "0", "--kl_target", "3")
     text = "\n".join(problems)
-    assert "--per_device_generation_batch_size 6 (answers per rank) is not a multiple of --n_samples_per_prompt 4" in text
+    assert ("--per_device_generation_batch_size 6 (answers per rank) is not a multiple of "
+            "--n_samples_per_prompt 4") in text
     assert "greedy decoding" in text and "has no function 'nope'" in text and "--kl_target needs --kl_ctl > 0" in text
     assert any("--algorithm ppo needs --critic_model_name_or_path" in p for p in _step3_problems())
     assert any("--algorithm grpo needs a reward" in p for p in _step3_problems(

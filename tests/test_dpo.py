@@ -200,7 +200,8 @@ def test_help_explains_every_flag_and_keeps_upstream_defaults():
     missing = [a.dest for a in parser._actions if a.dest != "help" and not (a.help or "").strip()]
     assert not missing, missing
     args = parser.parse_args(["--model_name_or_path", "m"])
-    assert (args.beta, args.label_smoothing, args.learning_rate, args.zero_stage, args.dtype) == (0.1, 0.0, 1e-3, 0, "fp16")
+    got = (args.beta, args.label_smoothing, args.learning_rate, args.zero_stage, args.dtype)
+    assert got == (0.1, 0.0, 1e-3, 0, "fp16")
     assert args.loss_type == "sigmoid" and args.rpo_alpha is None and args.data_split == "2,4,4"
 
 

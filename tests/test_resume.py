@@ -129,8 +129,10 @@ def step1_runs(tmp_path_factory):
         {"step": 1, "argv": step1_argv(d["nan"], cache, steps=STEPS), "env": {"DSCHAT_TEST_NONFINITE": "3"}},
         # gradient accumulation: a NaN in the first micro-batch skips before any backward; in
         # the second, the first one's gradients must be dropped - both must train the same
-        {"step": 1, "argv": step1_argv(d["g0"], cache, steps=STEPS, extra=gas), "env": {"DSCHAT_TEST_NONFINITE": "3.0"}},
-        {"step": 1, "argv": step1_argv(d["g1"], cache, steps=STEPS, extra=gas), "env": {"DSCHAT_TEST_NONFINITE": "3.1"}},
+        {"step": 1, "argv": step1_argv(d["g0"], cache, steps=STEPS, extra=gas),
+         "env": {"DSCHAT_TEST_NONFINITE": "3.0"}},
+        {"step": 1, "argv": step1_argv(d["g1"], cache, steps=STEPS, extra=gas),
+         "env": {"DSCHAT_TEST_NONFINITE": "3.1"}},
         {"step": 1, "argv": step1_argv(d["halt"], cache, steps=STEPS, extra=["--max_nonfinite_in_a_row", 3]),
          "env": {"DSCHAT_TEST_NONFINITE": "3,4,5"}},
         # step 2 (reward model) shares the step-1 loop: checkpointed run, resumed copy
@@ -245,9 +247,11 @@ def test_resume_from_a_saved_model_trains_with_dropout(tmp_path):
         args[args.index("--model_name_or_path") + 1] = str(sft)
         return args
     runs = [{"step": 1, "argv": argv(d["s1"])},
-            {"step": 1, "argv": argv(d["s1_res"], ["--resume"]), "copy_checkpoint": [str(d["s1"]), 2, str(d["s1_res"])]},
+            {"step": 1, "argv": argv(d["s1_res"], ["--resume"]),
+             "copy_checkpoint": [str(d["s1"]), 2, str(d["s1_res"])]},
             {"step": 2, "argv": argv(d["s2"])},
-            {"step": 2, "argv": argv(d["s2_res"], ["--resume"]), "copy_checkpoint": [str(d["s2"]), 2, str(d["s2_res"])]}]
+            {"step": 2, "argv": argv(d["s2_res"], ["--resume"]),
+             "copy_checkpoint": [str(d["s2"]), 2, str(d["s2_res"])]}]
     results, _ = run_plan(tmp_path, runs, timeout=400)
     assert all(r["rc"] == 0 for r in results), results
     for full, res in (("s1", "s1_res"), ("s2", "s2_res")):

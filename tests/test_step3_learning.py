@@ -145,8 +145,8 @@ def test_lora_at_zero3_only_lora_with_block_hooks_and_bf16(models, tmp_path):
     runs = {"block": {"argv": argv(models, tmp_path / "block", steps=1, gen=2, train=2, extra=lora)},
             "module": {"argv": argv(models, tmp_path / "module", steps=1, gen=2, train=2,
                                     extra=[*lora, "--zero3_hook_granularity", "module"])},
-            "bf16": {"argv": argv(models, tmp_path / "bf16", steps=2, extra=["--enable_hybrid_engine", "--dtype", "bf16",
-                                                                             "--actor_lora_dim", "4"])}}
+            "bf16": {"argv": argv(models, tmp_path / "bf16", steps=2,
+                                  extra=["--enable_hybrid_engine", "--dtype", "bf16", "--actor_lora_dim", "4"])}}
     results = probe(tmp_path, runs)
     for block, module in zip(results["block"], results["module"]):
         check_scoring(block)

@@ -26,7 +26,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt", action="append", default=[], help="A prompt (repeat for several).")
     p.add_argument("--answer", action="append", default=[],
                    help="An answer; with one --prompt, every answer is scored against it.")
-    p.add_argument("--pairs", type=str, default=None, help="JSONL file of prompt/answer or prompt/chosen/rejected rows.")
+    p.add_argument("--pairs", type=str, default=None,
+                   help="JSONL file of prompt/answer or prompt/chosen/rejected rows.")
     p.add_argument("--max_seq_len", type=int, default=512, help="Longer inputs are truncated.")
     p.add_argument("--add_eot_token", action="store_true", help="End each answer with --eot_token.")
     p.add_argument("--eot_token", type=str, default="<|endoftext|>", help="End-of-turn token.")

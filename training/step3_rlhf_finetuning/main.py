@@ -172,9 +172,11 @@ def parse_args(argv=None):
                    help="Layered mode: gather --tp_gather_partition_size blocks at a time (less memory, slower).")
     g.add_argument("--release_inference_cache", action="store_true",
                    help="Free the replica, KV cache and graphs after each rollout.")
-    g.add_argument("--inference_tp_size", type=int, default=1, help="Generate with tensor parallelism inside groups of this many consecutive ranks (must divide the "
-                        "world size and the head counts; needs --enable_hybrid_engine).")
-    g.add_argument("--tp_gather_partition_size", type=int, default=8, help="Blocks gathered at a time in layered mode and in the tensor-parallel replica fill.")
+    g.add_argument("--inference_tp_size", type=int, default=1,
+                   help="Generate with tensor parallelism inside groups of this many consecutive ranks "
+                        "(must divide the world size and the head counts; needs --enable_hybrid_engine).")
+    g.add_argument("--tp_gather_partition_size", type=int, default=8,
+                   help="Blocks gathered at a time in layered mode and in the tensor-parallel replica fill.")
     g.add_argument("--disable_fast_decode", action="store_true",
                    help="Decode with HF generate on the replica even where the fast path (static KV cache "
                         "+ CUDA graphs, on GPU for bloom/opt/llama) is available; for comparisons.")
@@ -331,7 +333,8 @@ def main(argv=None):
                                            chat_template=args.chat_template, row_fields=bool(reward_fns))
     eot = end_of_conversation_text(tokenizer, args.eot_token if args.add_eot_token else None)
     chat = ChatFormat(tokenizer, args.chat_template, eot, args.stop_strings)
-    print_rank_0(f"step 3: conversations as {chat.describe()}; generation stops at token ids {list(chat.stop_token_ids)}")
+    print_rank_0(f"step 3: conversations as {chat.describe()}; "
+                 f"generation stops at token ids {list(chat.stop_token_ids)}")
     # --per_device_generation_batch_size counts answers: each prompt is answered n times
     prompts_per_batch = args.per_device_generation_batch_size // args.n_samples_per_prompt
     prompt_loader = make_loader(prompt_data, prompts_per_batch,
@@ -339,8 +342,9 @@ def main(argv=None):
                                 shuffle=True, seed=args.seed, drop_last=True)
     unsup_loader = None
     if args.unsupervised_dataset_name:
-        unsup_data = create_unsupervised_dataset([args.unsupervised_dataset_name], args.unsupervised_dataset_config_name,
-                                                 tokenizer, args.max_prompt_seq_len + args.max_answer_seq_len,
+        unsup_data = create_unsupervised_dataset([args.unsupervised_dataset_name],
+                                                 args.unsupervised_dataset_config_name, tokenizer,
+                                                 args.max_prompt_seq_len + args.max_answer_seq_len,
                                                  args.data_output_path, args.seed, args.local_rank)
         # whole batches only: each is cut into as many micro-batches as a generation batch
         unsup_loader = make_loader(unsup_data, args.per_device_generation_batch_size, shuffle=True, seed=args.seed,
