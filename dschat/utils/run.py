@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dschat.utils import dist
 from dschat.utils.errors import FinalSaveFailed, TrainingHalted, UserInputError
 
 
@@ -67,7 +68,7 @@ def main_guard(main, hard_exit: bool | None = None):
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = 4
     if hard_exit is None:
-        hard_exit = torch.distributed.is_available() and torch.distributed.is_initialized()
+        hard_exit = dist.is_initialized()
     if not hard_exit:
         sys.exit(code)
     _exit_now(code)
