@@ -77,9 +77,7 @@ def main_guard(main, hard_exit: bool | None = None):
 def _exit_now(code: int) -> None:
     import logging
 
-    from dschat.utils.dist import shutdown_distributed
-
-    shutdown_distributed()
+    dist.shutdown_distributed()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
