@@ -43,7 +43,7 @@ def run_deepspeed(script, args=(), num_gpus: int = 2, timeout: int = 600, check:
 
 def remove_shm_buffers(port: int) -> None:
     """DeepSpeed's CPU comm op leaves ~64 MiB per rank in /dev/shm; a killed rank cannot
-    unlink its own at exit (dschat.engine.distributed does it for clean exits)."""
+    unlink its own at exit (dschat.utils.dist does it for clean exits)."""
     shm = Path("/dev/shm")
     if shm.is_dir():
         for f in shm.glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
