@@ -1,13 +1,13 @@
 """Where a decode linear loses time against the copy bandwidth: two explanations, tested.
 
 A decode-step linear at batch 16 streams its weight once. bloom-7b1's 2 GB LM head reads it
-at about 4.36 TB/s, its 100-134 MB layer linears at 3.6-3.9 (RESULTS_decode.md run 11).
+at about 4.36 TB/s, its 100-134 MB layer linears at 3.6-3.9 (docs/DECODE.md, section 8).
 
 1. Time against size: cuBLAS, `decode_triton`'s linear kernel and the tile-major kernel
    below at K = 4096, N 4096 to 250880. The least-squares line us = a + MB / bw gives the
    fixed cost a per call.
 2. Per shape, bloom-7b1's linears: the kernels the decode step runs (row-major weight) against
-   a) a work queue (QKV only here; run 11 swept it at every shape): a persistent grid of
+   a) a work queue (QKV only here; docs/DECODE.md, section 8 has it at every shape): a persistent grid of
       P programs per SM taking units (BLOCK_N rows x `chunk` columns) from an atomic counter,
       against the straggler tail of a one-wave grid where each program owns a fixed strip.
       Partials are kept per k-chunk, so the sums do not depend on who took which unit;

@@ -11,7 +11,7 @@ generated token (prefill included), peak GiB, gather seconds, the ratio to plain
 the bandwidth floor: weight bytes over the device-to-device copy bandwidth measured here.
 `--repeats N` times each mode N times and reports the median; `--hf_busy` profiles one plain
 HF generate and reports how much of its step is GPU kernels (the rest is host time).
-Single process (ZeRO-3 world size 1, as the anchors in shared/docs/ANCHORS.md); run under
+Single process (ZeRO-3 world size 1, as the tables of benchmarks/RESULTS.md); run under
 `deepspeed --num_gpus N` for data parallel N (each rank its own prompts; per-GPU numbers).
 """
 import argparse

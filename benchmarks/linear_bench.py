@@ -6,7 +6,7 @@ the fast decode path runs it. Prints the best Triton variants per shape and writ
 
     python benchmarks/linear_bench.py [--out DIR] [--smoke] [--wide | --tma] [--shapes ...]
 
---tma sweeps the TMA linear (RESULTS_decode.md run 13: its tiles for the per-shape race).
+--tma sweeps the TMA linear (docs/DECODE.md, section 6: its tiles for the per-shape race).
 """
 from __future__ import annotations
 

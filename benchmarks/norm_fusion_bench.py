@@ -1,5 +1,5 @@
 """Why a decode linear that applies the preceding LayerNorm to its input tile as it loads it
-is slow (the fused-norm experiment of RESULTS_decode.md, run 7): variants of one [16, K] x
+is slow (the fused-norm experiment of docs/DECODE.md, section 8): variants of one [16, K] x
 [N, K]^T GEMV kernel, timed as decode_triton's "auto" times them (graph replay over weight
 copies larger than L2), with the PTX's cp.async / ld.global / bar.sync counts of each.
 GPU:  PYTHONPATH=. python benchmarks/norm_fusion_bench.py

@@ -1,7 +1,7 @@
 """Would one persistent kernel per layer beat one kernel per op? A test of that before it is built.
 
 A bloom-7b1 decode step runs 7 kernels a layer. Each loses about 3 us to its ramp and tail
-(RESULTS_decode.md runs 10-11). The other fixes were measured and dropped: fusing the norms
+(docs/DECODE.md, section 8). The other fixes were measured and dropped: fusing the norms
 into the linears, L2 warming, a work queue, a tile-major weight layout. A persistent
 per-layer kernel is the one left. It runs the layer's phases in one launch, separated by
 grid barriers, and while a program waits at a barrier it can already ask L2 for its next

@@ -11,7 +11,7 @@ compares, per rank and dtype:
     our layered replica and the last-position logits of our fast decoder's prefill, each
     against the reference: relative error ||x - ref|| / ||ref|| and max |x - ref|;
   - our replica's logits against rank 0's (all ranks get the same prompts, so they must agree
-    to rounding; DeepSpeed's own engine was 5-120x further off on rank 1, ANCHORS.md);
+    to rounding; DeepSpeed's own engine was 5-120x further off on rank 1, benchmarks/RESULTS.md);
   - greedy tokens of our fast generate (and HF generate on the replica) against HF generate on
     the reference: rows identical over all --new_tokens, and the first token (step 0).
 Rank 0 prints one table with a row per (dtype, rank, path) and appends it to --out.md/.jsonl.
