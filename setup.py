@@ -7,7 +7,7 @@ setup(
                 "family under every ZeRO stage, with its own ZeRO-3-correct generation engine",
     # inference/ and benchmarks/ too: their scripts import inference.common and benchmarks.*
     # as packages, so they run from any directory without sys.path edits
-    packages=find_packages(include=["dschat", "dschat.*", "inference", "benchmarks"]),
+    packages=find_packages(include=["dschat", "dschat.*", "inference", "benchmarks", "applications", "applications.*"]),
     package_data={"dschat": ["assets/tokenizer/*", "assets/data/*"]},
     include_package_data=True,
     python_requires=">=3.9",

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from applications.e2e import plan, presets
 from dschat.data import DataCollatorReward, bundled_tokenizer_path, create_prompt_dataset
 from dschat.models.model_utils import load_tokenizer
 from dschat.rlhf.dpo import answer_mask, divergence_index, dpo_losses, sequence_logps, split_pairs, token_kl_sum
@@ -296,16 +297,16 @@ def e2e():
 def test_e2e_align_dpo_plans_step1_then_dpo_for_every_preset(e2e, tmp_path):
     parse = main_module().parse_args
     for path in sorted((REPO / "configs" / "presets").glob("*.json")):
-        for deployment in e2e.load_preset(path.stem)["deployments"]:
+        for deployment in presets.load_preset(path.stem)["deployments"]:
             args = e2e.parse_args(["--actor-model", path.stem, "--deployment-type", deployment,
                                    "--output-dir", str(tmp_path), "--align", "dpo", "--step2-args=--beta 0.2"])
-            actor = e2e.resolve_model(args.actor_model, "actor", None, False, tmp_path)
-            steps = e2e.build_plan(args, actor, None, deployment)
+            actor = presets.resolve_model(args.actor_model, "actor", None, False, tmp_path)
+            steps = plan.build_plan(args, actor, None, deployment)
             assert [s.name for s in steps] == ["step 1 (SFT)", "step 2 (DPO)"]
             dpo = parse(steps[1].argv[1:])  # argparse exits on a flag the DPO step does not know
             assert dpo.model_name_or_path == str(tmp_path / "step1") and dpo.beta == 0.2
             assert dpo.zero_stage == int(steps[0].flags["zero_stage"])
-            assert e2e.dpo_memory_gb(steps[1].flags, actor.preset, 8)["total"] > 0
+            assert presets.dpo_memory_gb(steps[1].flags, actor.preset, 8)["total"] > 0
 
 
 def test_e2e_align_dpo_report_has_the_dpo_rows(e2e, tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from applications.e2e import plan, presets, report
 from dschat.data.judge_split import group_by_prompt, prepare
 from dschat.data.sources import load_source
 from dschat.utils.errors import UserInputError
@@ -128,8 +129,8 @@ def test_smollm2_preset_plans_a_judge_on_the_other_half(e2e, tmp_path):
     args = e2e.parse_args(["--preset", "smollm2-135m", "--model", str(tmp_path / "m"), "--deployment-type",
                            "single_gpu", "--output-dir", str(tmp_path / "out"), "--data-path", "hh.jsonl"])
     assert args.actor_model == str(tmp_path / "m") and args.actor_preset == "smollm2-135m"
-    actor = e2e.ModelChoice("m", str(tmp_path / "m"), e2e.load_preset("smollm2-135m"), 0.135)
-    steps = e2e.build_plan(args, actor, actor, "single_gpu")
+    actor = presets.ModelChoice("m", str(tmp_path / "m"), presets.load_preset("smollm2-135m"), 0.135)
+    steps = plan.build_plan(args, actor, actor, "single_gpu")
     by_key = {s.key: s for s in steps}
     assert sorted(by_key) == ["step1", "step2", "step2_judge", "step3"]
     data = tmp_path / "out" / "data"
@@ -141,7 +142,7 @@ def test_smollm2_preset_plans_a_judge_on_the_other_half(e2e, tmp_path):
     judge, policy = by_key["step2_judge"].flags, by_key["step2"].flags
     assert {k: v for k, v in judge.items() if k not in ("data_path", "output_dir")} == \
         {k: v for k, v in policy.items() if k not in ("data_path", "output_dir")}
-    assert e2e.judge_split_of(args, actor)["source"] == ["hh.jsonl"]
+    assert plan.judge_split_of(args, actor)["source"] == ["hh.jsonl"]
     e2e.eval_settings(args, actor)
     assert (args.eval_prompts, args.kl_samples, args.report_examples) == (256, 2, 10)
     with pytest.raises(SystemExit):
@@ -165,7 +166,7 @@ def test_judged_table_marks_each_target(e2e):
           "baseline_distinct_2": 0.5, "finetune_distinct_2": 0.3, "baseline_ended_share": 0.95,
           "finetune_ended_share": 0.92, "baseline_answer_tokens_mean": 40.0, "finetune_answer_tokens_mean": 50.0,
           "finetune_better": 3, "finetune_worse": 1, "reward_gain": 0.8, "answers_file": "a.jsonl"}
-    md = e2e.report_markdown(report_for(0.70, 0.60, ho))
+    md = report.report_markdown(report_for(0.70, 0.60, ho))
     met = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in md.splitlines()
            if line.startswith("|") and line.count("|") == 6}
     assert met["policy reward model: held-out pair accuracy"] == "**yes**"

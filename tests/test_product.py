@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from applications.e2e import launch, plan, presets
 from tests import dist_utils
 from tests.dist_utils import REPO
 
@@ -49,20 +50,20 @@ def run(cmd, timeout=120, **kw):
 # ----------------------------------------------------------------------------- presets
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
 def test_preset_parses_and_follows_the_memory_rule(path, e2e):
-    preset = e2e.load_preset(path.stem)
+    preset = presets.load_preset(path.stem)
     assert preset["name"] == path.stem
-    reward = e2e.load_preset(preset["reward_model"]) if preset["reward_model"] not in ("step1", "actor") else preset
+    reward = presets.load_preset(preset["reward_model"]) if preset["reward_model"] not in ("step1", "actor") else preset
     for deployment, row in preset["deployments"].items():
-        assert deployment in e2e.DEPLOYMENTS, deployment
+        assert deployment in presets.DEPLOYMENTS, deployment
         assert row["actor_zero_stage"] in (0, 1, 2, 3) and row["reward_zero_stage"] in (0, 1, 2, 3)
         assert row["hybrid_engine"] in ("full", "layered", "off")
         if deployment == "cpu" or path.stem == "demo":
             continue
         assert "rule" in row and row["rule"], f"{path.stem}/{deployment}: no rule text"
-        steps = plan(e2e, path.stem, deployment)
-        budget = e2e.GPU_BUDGET * row["gpu_memory_gb"]
+        steps = plan_steps(e2e, path.stem, deployment)
+        budget = presets.GPU_BUDGET * row["gpu_memory_gb"]
         for step in steps:
-            est = e2e.step_memory_gb(step.number, step.flags, preset, reward, row["num_gpus"])["total"]
+            est = presets.step_memory_gb(step.number, step.flags, preset, reward, row["num_gpus"])["total"]
             assert est <= budget, f"{path.stem}/{deployment} step {step.number}: {est:.1f} GB > {budget}"
             assert math.isclose(est, row["estimate_gb"][f"step{step.number}"], abs_tol=0.06), \
                 f"{path.stem}/{deployment}: estimate_gb of step {step.number} is stale ({est:.2f})"
@@ -70,31 +71,31 @@ def test_preset_parses_and_follows_the_memory_rule(path, e2e):
         # minimal partitioning: ZeRO-3 on several GPUs only when ZeRO-2 would not fit
         if row["num_gpus"] > 1 and s3["actor_zero_stage"] == 3:
             lower = dict(s3, actor_zero_stage=2, critic_zero_stage=min(2, s3["critic_zero_stage"]))
-            assert e2e.step_memory_gb(3, lower, preset, reward, row["num_gpus"])["total"] > budget
+            assert presets.step_memory_gb(3, lower, preset, reward, row["num_gpus"])["total"] > budget
         # layered generation only when a full replica would not fit
         if s3.get("unpin_actor_parameters"):
             full = dict(s3, unpin_actor_parameters=False)
-            assert e2e.step_memory_gb(3, full, preset, reward, row["num_gpus"])["total"] > budget
+            assert presets.step_memory_gb(3, full, preset, reward, row["num_gpus"])["total"] > budget
         if s3.get("offload") and row["num_gpus"] == 1 and not s3.get("only_optimize_lora"):
             plain = dict(s3, offload=False, actor_zero_stage=0, critic_zero_stage=0)
-            assert e2e.step_memory_gb(3, plain, preset, reward, 1)["total"] > budget
+            assert presets.step_memory_gb(3, plain, preset, reward, 1)["total"] > budget
 
 
-def plan(e2e, name, deployment, tmp="/tmp/dschat-preset-check"):
+def plan_steps(e2e, name, deployment, tmp="/tmp/dschat-preset-check"):
     args = e2e.parse_args(["--actor-model", name, "--deployment-type", deployment, "--output-dir", tmp])
-    actor = e2e.resolve_model(args.actor_model, "actor", None, False, Path(tmp))
+    actor = presets.resolve_model(args.actor_model, "actor", None, False, Path(tmp))
     reward_spec = actor.preset.get("reward_model", "step1")
     reward = (None if reward_spec == "step1" else actor if reward_spec == "actor"
-              else e2e.resolve_model(reward_spec, "reward", None, False, Path(tmp)))
-    return e2e.build_plan(args, actor, reward, deployment)
+              else presets.resolve_model(reward_spec, "reward", None, False, Path(tmp)))
+    return plan.build_plan(args, actor, reward, deployment)
 
 
 def test_every_preset_flag_is_accepted_by_the_entry_points(e2e):
     parsers = {n: load_module(p, f"dschat_step{n}_main").parse_args for n, p in ENTRY_POINTS.items()}
     checked = 0
     for path in PRESETS:
-        for deployment in e2e.load_preset(path.stem)["deployments"]:
-            for step in plan(e2e, path.stem, deployment):
+        for deployment in presets.load_preset(path.stem)["deployments"]:
+            for step in plan_steps(e2e, path.stem, deployment):
                 args = parsers[step.number](step.argv[1:])  # argparse exits (SystemExit) on an unknown flag
                 if step.number == 3:
                     rows = args.per_device_generation_batch_size * args.generation_batches
@@ -104,29 +105,29 @@ def test_every_preset_flag_is_accepted_by_the_entry_points(e2e):
 
 
 def test_random_init_preset_writes_its_config(e2e, tmp_path):
-    choice = e2e.resolve_model("llama-2-7b", "actor", None, True, tmp_path)
+    choice = presets.resolve_model("llama-2-7b", "actor", None, True, tmp_path)
     config = json.loads(Path(choice.path).read_text())
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 32
-    assert e2e.count_params(choice.path) == pytest.approx(6.738, abs=0.01)
+    assert presets.count_params(choice.path) == pytest.approx(6.738, abs=0.01)
 
 
 def test_extra_step_flags_override_the_preset(e2e):
-    assert e2e.parse_extra("--max_steps 5 --print_answers --data_path a b") == \
+    assert plan.parse_extra("--max_steps 5 --print_answers --data_path a b") == \
         {"max_steps": "5", "print_answers": True, "data_path": ["a", "b"]}
-    steps = plan(e2e, "bloom-7b1", "single_node")
+    steps = plan_steps(e2e, "bloom-7b1", "single_node")
     assert steps[2].flags["actor_zero_stage"] == 3 and steps[0].flags["zero_stage"] == 2
 
 
 def test_hostfile_example_and_slots(e2e, tmp_path):
-    assert e2e.hostfile_slots(str(REPO / "scripts" / "hostfile.example")) == 2
+    assert launch.hostfile_slots(str(REPO / "scripts" / "hostfile.example")) == 2
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# two nodes\nnode-0 slots=8\n\nnode-1 slots=8\n")
-    assert e2e.hostfile_slots(str(hostfile)) == 16
-    assert e2e.hostfile_slots(str(hostfile), num_nodes=1) == 8
-    assert e2e.hostfile_slots(str(hostfile), per_node=4) == 8
+    assert launch.hostfile_slots(str(hostfile)) == 16
+    assert launch.hostfile_slots(str(hostfile), num_nodes=1) == 8
+    assert launch.hostfile_slots(str(hostfile), per_node=4) == 8
     hostfile.write_text("node-0 8\n")
     with pytest.raises(ValueError, match="slots=N"):
-        e2e.hostfile_slots(str(hostfile))
+        launch.hostfile_slots(str(hostfile))
 
 
 # ----------------------------------------------------------------------------- scripts, --help

@@ -13,31 +13,28 @@ beside it. `--save_interval N` writes resumable checkpoints under --output_dir/c
 import argparse
 import json
 import math
-import time
 
 import torch
-from tqdm import tqdm
 
 from dschat.cli import flags
 from dschat.cli.validate import validate_step1
 from dschat.data import create_prompt_dataset
 from dschat.engine.config import train_ds_config
+from dschat.engine.train_loop import finish, train_epochs
 from dschat.engine.train_utils import (
     abandon_accumulation,
     evaluate_lm,
     lm_loss_sum,
-    log_train_step,
     make_loader,
-    micro_batch_groups,
     to_device,
     token_count,
 )
 from dschat.models.model_utils import build_lm_engine, load_tokenizer, save_hf_format
-from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
+from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard
 from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, init_distributed
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import metrics_logger_for
-from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
+from dschat.utils.run import main_guard, resolved_config, set_seed
 
 
 def parse_args(argv=None):
@@ -111,58 +108,26 @@ def main(argv=None):
     ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last, engines={"model": engine})
     guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
     resumed = ckpt.resume_or_start(args.resume, run_config, guard)
-    step, start_epoch, batches_done = resumed.position if resumed else (0, 0, 0)
     metrics = metrics_logger_for(args, run_config)
 
-    result = None
-    if resumed is None:
+    def run_eval(step: int, epoch: int | None) -> dict:
         result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
-        print_rank_0(f"before training: eval loss {result['loss']:.4f}, perplexity {result['ppl']:.3f}")
-        metrics.log(0, {"eval/loss": result["loss"], "eval/ppl": result["ppl"]})
+        when = "before training" if step == 0 else f"epoch {epoch}" if epoch is not None else f"step {step}"
+        print_rank_0(f"{when}: eval loss {result['loss']:.4f}, perplexity {result['ppl']:.3f}")
+        metrics.log(step, {"eval/loss": result["loss"], "eval/ppl": result["ppl"],
+                           **({"train/epoch": epoch} if epoch is not None else {})})
+        return result
 
-    def save():
-        return ckpt.save(step, {"epoch": epoch, "batches_in_epoch": batches_done,
-                                "nonfinite": guard.state(), "config": run_config})
+    def one_step(group, step):
+        return train_step(engine, group, device, args.gradient_accumulation_steps, world, guard, step), None
 
-    progress = tqdm(total=total_steps, initial=step, desc="step 1 (SFT)", disable=get_rank() != 0)
-    epoch = start_epoch
-    for epoch in range(start_epoch, args.num_train_epochs):
-        if step >= total_steps:
-            break
-        train_loader.sampler.set_epoch(epoch)
-        batches_done = batches_done if epoch == start_epoch else 0
-        groups = micro_batch_groups(skip_batches(train_loader, batches_done), args.gradient_accumulation_steps)
-        ckpt.restore_rng(resumed)  # once, where the interrupted run stood
-        for group in groups:
-            if step >= total_steps:
-                break
-            start = time.time()
-            loss = train_step(engine, group, device, args.gradient_accumulation_steps, world, guard, step + 1)
-            step += 1
-            batches_done += len(group)
-            progress.update(1)
-            log_train_step(metrics, progress, engine, step=step, epoch=epoch, seconds=time.time() - start,
-                           device=device, loss=loss, skipped=guard.skipped, print_loss=args.print_loss)
-            if args.eval_interval and step % args.eval_interval == 0:
-                result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
-                metrics.log(step, {"eval/loss": result["loss"], "eval/ppl": result["ppl"]})
-            fault_point("step", step)
-            if ckpt.due(step):
-                save()
-            guard.check_halt(step, save)
-        result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
-        print_rank_0(f"epoch {epoch}: eval loss {result['loss']:.4f}, perplexity {result['ppl']:.3f}")
-        metrics.log(step, {"eval/loss": result["loss"], "eval/ppl": result["ppl"], "train/epoch": epoch})
-    progress.close()
-    if result is None:  # resumed after the last step: nothing was left to train
-        result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
-
-    ckpt.save_final(lambda: save_hf_format(engine, tokenizer, args.output_dir, rank=get_rank()), save,
-                    args.output_dir)
-    if get_rank() == 0:
-        run_config["final_eval"] = result
-        save_json(run_config, f"{args.output_dir}/training_config.json")
-    metrics.close()
+    result, save = train_epochs(
+        desc="step 1 (SFT)", engine=engine, loader=train_loader, ckpt=ckpt, resumed=resumed, guard=guard,
+        metrics=metrics, device=device, run_config=run_config, total_steps=total_steps,
+        num_epochs=args.num_train_epochs, accumulation=args.gradient_accumulation_steps,
+        eval_interval=args.eval_interval, print_loss=args.print_loss, train_step=one_step, run_eval=run_eval)
+    finish(ckpt, lambda: save_hf_format(engine, tokenizer, args.output_dir, rank=get_rank()), save,
+           args.output_dir, run_config, result, metrics)
     print_rank_0(f"saved the model to {args.output_dir}")
 
 

@@ -18,23 +18,21 @@ checkpoints under --output_dir/checkpoints/; `--resume` continues from the newes
 """
 import argparse
 import json
-import time
-
-from tqdm import tqdm
 
 from dschat.cli import flags
 from dschat.cli.validate import validate_step2_dpo
 from dschat.data import DataCollatorReward, create_prompt_dataset
 from dschat.engine.config import train_ds_config
-from dschat.engine.train_utils import log_train_step, make_loader, micro_batch_groups
+from dschat.engine.train_loop import finish, train_epochs
+from dschat.engine.train_utils import make_loader
 from dschat.models.model_utils import load_tokenizer, save_hf_format
 from dschat.rlhf.dpo import LOSS_TYPES, summarize
 from dschat.rlhf.dpo_trainer import DPOConfig, build_dpo_engines, evaluate, train_step
-from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
+from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard
 from dschat.utils.dist import get_rank, get_world_size, init_distributed
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import metrics_logger_for
-from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
+from dschat.utils.run import main_guard, resolved_config, set_seed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,61 +102,29 @@ def main(argv=None):
     ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last, engines={"model": policy})
     guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
     resumed = ckpt.resume_or_start(args.resume, run_config, guard)
-    step, start_epoch, batches_done = resumed.position if resumed else (0, 0, 0)
     metrics = metrics_logger_for(args, run_config)
 
-    def run_eval(step):
+    def run_eval(step: int, epoch: int | None) -> dict:
         result = evaluate(policy, ref, eval_loader, cfg, device, args.eval_iters)
         print_rank_0(f"step {step}: eval loss {result['loss']:.4f}, reward accuracy {result['acc']:.4f}, "
                      f"margin {result['margin']:.4f}, KL to reference {result.get('kl_ref', 0.0):.5f}")
         metrics.log(step, {f"eval/{k}": v for k, v in result.items()})
         return result
 
-    def save():
-        return ckpt.save(step, {"epoch": epoch, "batches_in_epoch": batches_done,
-                                "nonfinite": guard.state(), "config": run_config})
+    def one_step(group, step):
+        loss, stats = train_step(policy, ref, group, cfg, device, world, guard, step)
+        if stats is None:
+            return loss, None
+        train = summarize(stats, cfg.rpo_alpha)
+        return loss, {f"train/{k}": train[k] for k in ("acc", "margin", "chosen_logps", "rejected_logps")}
 
-    result = run_eval(0) if resumed is None else None
-    progress = tqdm(total=total_steps, initial=step, desc="step 2 (DPO)", disable=get_rank() != 0)
-    epoch = start_epoch
-    for epoch in range(start_epoch, args.num_train_epochs):
-        if step >= total_steps:
-            break
-        train_loader.sampler.set_epoch(epoch)
-        batches_done = batches_done if epoch == start_epoch else 0
-        groups = micro_batch_groups(skip_batches(train_loader, batches_done), args.gradient_accumulation_steps)
-        ckpt.restore_rng(resumed)  # once, where the interrupted run stood
-        for group in groups:
-            if step >= total_steps:
-                break
-            start = time.time()
-            loss, stats = train_step(policy, ref, group, cfg, device, world, guard, step + 1)
-            step += 1
-            batches_done += len(group)
-            progress.update(1)
-            log_train_step(metrics, progress, policy, step=step, epoch=epoch, seconds=time.time() - start,
-                           device=device, loss=loss, skipped=guard.skipped, print_loss=args.print_loss)
-            if stats is not None:
-                train = summarize(stats, cfg.rpo_alpha)
-                metrics.log(step, {f"train/{k}": train[k] for k in ("acc", "margin", "chosen_logps",
-                                                                    "rejected_logps")})
-            if args.eval_interval and step % args.eval_interval == 0:
-                result = run_eval(step)
-            fault_point("step", step)
-            if ckpt.due(step):
-                save()
-            guard.check_halt(step, save)
-        result = run_eval(step)
-    progress.close()
-    if result is None:  # resumed after the last step: nothing was left to train
-        result = run_eval(step)
-
-    ckpt.save_final(lambda: save_hf_format(policy, tokenizer, args.output_dir, rank=get_rank()), save,
-                    args.output_dir)
-    if get_rank() == 0:
-        run_config["final_eval"] = result
-        save_json(run_config, f"{args.output_dir}/training_config.json")
-    metrics.close()
+    result, save = train_epochs(
+        desc="step 2 (DPO)", engine=policy, loader=train_loader, ckpt=ckpt, resumed=resumed, guard=guard,
+        metrics=metrics, device=device, run_config=run_config, total_steps=total_steps,
+        num_epochs=args.num_train_epochs, accumulation=args.gradient_accumulation_steps,
+        eval_interval=args.eval_interval, print_loss=args.print_loss, train_step=one_step, run_eval=run_eval)
+    finish(ckpt, lambda: save_hf_format(policy, tokenizer, args.output_dir, rank=get_rank()), save,
+           args.output_dir, run_config, result, metrics)
     print_rank_0(f"saved the DPO model to {args.output_dir}")
 
 

@@ -12,26 +12,25 @@ folder as --critic_model_name_or_path. `--save_interval N` writes resumable chec
 """
 import argparse
 import json
-import time
 
 import torch
-from tqdm import tqdm
 
 from dschat.cli import flags
 from dschat.cli.validate import validate_step2
 from dschat.data import DataCollatorReward, create_prompt_dataset
 from dschat.engine.config import train_ds_config
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
-from dschat.engine.train_utils import abandon_accumulation, log_train_step, make_loader, micro_batch_groups, to_device
+from dschat.engine.train_loop import finish, train_epochs
+from dschat.engine.train_utils import abandon_accumulation, make_loader, to_device
 from dschat.engine.zero import initialize_engine, release_prefetched
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import load_tokenizer
 from dschat.models.reward_model import create_reward_model, save_reward_model
-from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
+from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard
 from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, init_distributed
 from dschat.utils.logging import print_rank_0
 from dschat.utils.metrics import metrics_logger_for
-from dschat.utils.run import main_guard, resolved_config, save_json, set_seed
+from dschat.utils.run import main_guard, resolved_config, set_seed
 
 
 def parse_args(argv=None):
@@ -134,57 +133,24 @@ def main(argv=None):
     ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last, engines={"model": engine})
     guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
     resumed = ckpt.resume_or_start(args.resume, run_config, guard)
-    step, start_epoch, batches_done = resumed.position if resumed else (0, 0, 0)
     metrics = metrics_logger_for(args, run_config)
 
-    def run_eval(step):
+    def run_eval(step: int, epoch: int | None) -> dict:
         result = evaluate(engine, eval_loader, device, args.eval_iters)
         print_rank_0(f"step {step}: eval accuracy {result['acc']:.4f}, chosen {result['chosen_score']:.4f}, "
                      f"rejected {result['rejected_score']:.4f}")
         metrics.log(step, {f"eval/{k}": v for k, v in result.items()})
         return result
 
-    def save():
-        return ckpt.save(step, {"epoch": epoch, "batches_in_epoch": batches_done,
-                                "nonfinite": guard.state(), "config": run_config})
-
-    result = run_eval(0) if resumed is None else None
-    progress = tqdm(total=total_steps, initial=step, desc="step 2 (reward model)", disable=get_rank() != 0)
-    epoch = start_epoch
-    for epoch in range(start_epoch, args.num_train_epochs):
-        if step >= total_steps:
-            break
-        train_loader.sampler.set_epoch(epoch)
-        batches_done = batches_done if epoch == start_epoch else 0
-        groups = micro_batch_groups(skip_batches(train_loader, batches_done), args.gradient_accumulation_steps)
-        ckpt.restore_rng(resumed)  # once, where the interrupted run stood
-        for group in groups:
-            if step >= total_steps:
-                break
-            start = time.time()
-            loss = train_step(engine, group, device, world, guard, step + 1)
-            step += 1
-            batches_done += len(group)
-            progress.update(1)
-            log_train_step(metrics, progress, engine, step=step, epoch=epoch, seconds=time.time() - start,
-                           device=device, loss=loss, skipped=guard.skipped, print_loss=args.print_loss)
-            if args.eval_interval and step % args.eval_interval == 0:
-                result = run_eval(step)
-            fault_point("step", step)
-            if ckpt.due(step):
-                save()
-            guard.check_halt(step, save)
-        result = run_eval(step)
-    progress.close()
-    if result is None:  # resumed after the last step: nothing was left to train
-        result = run_eval(step)
-
-    ckpt.save_final(lambda: save_reward_model(engine, tokenizer, args.output_dir, rank=get_rank()), save,
-                    args.output_dir)
-    if get_rank() == 0:
-        run_config["final_eval"] = result
-        save_json(run_config, f"{args.output_dir}/training_config.json")
-    metrics.close()
+    result, save = train_epochs(
+        desc="step 2 (reward model)", engine=engine, loader=train_loader, ckpt=ckpt, resumed=resumed, guard=guard,
+        metrics=metrics, device=device, run_config=run_config, total_steps=total_steps,
+        num_epochs=args.num_train_epochs, accumulation=args.gradient_accumulation_steps,
+        eval_interval=args.eval_interval, print_loss=args.print_loss,
+        train_step=lambda group, step: (train_step(engine, group, device, world, guard, step), None),
+        run_eval=run_eval)
+    finish(ckpt, lambda: save_reward_model(engine, tokenizer, args.output_dir, rank=get_rank()), save,
+           args.output_dir, run_config, result, metrics)
     print_rank_0(f"saved the reward model to {args.output_dir}")
 
 

@@ -1,0 +1,97 @@
+"""The resumable epoch loop shared by step 1 (SFT), step 2 (reward model) and step 2 DPO.
+
+Each entry point supplies what differs - one optimizer step (`train_step`) and its
+evaluation (`run_eval`) - and this loop does the rest the same way for all three: epochs
+from the resumed position (batches already consumed are skipped, the RNG restored where the
+interrupted run stood), the progress bar and per-step record, evaluation every
+`eval_interval` steps and at the end of each epoch, checkpoints every `--save_interval`, the
+non-finite guard's halt, and at the end the final save (`Checkpointer.save_final`) and
+training_config.json with the last evaluation.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from tqdm import tqdm
+
+from dschat.engine.train_utils import log_train_step, micro_batch_groups
+from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, Resumed, fault_point, skip_batches
+from dschat.utils.dist import get_rank
+from dschat.utils.run import save_json
+
+# (micro-batches of one optimizer step, its 1-based step number) -> (loss or None when the
+# update was skipped, extra metrics of the step to log or None)
+TrainStep = Callable[[list, int], tuple[Optional[float], Optional[dict]]]
+# (step, the epoch that just ended or None) -> the evaluation's results (logged by the callee)
+RunEval = Callable[[int, Optional[int]], dict]
+
+
+@dataclass
+class LoopState:
+    """Where the loop stands: what a checkpoint records to resume from."""
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+
+
+def train_epochs(*, desc: str, engine, loader, ckpt: Checkpointer, resumed: Optional[Resumed],
+                 guard: NonFiniteGuard, metrics, device, run_config: dict, total_steps: int,
+                 num_epochs: int, accumulation: int, eval_interval: int, print_loss: bool,
+                 train_step: TrainStep, run_eval: RunEval) -> tuple[dict, Callable[[], object]]:
+    """Train to `total_steps` (or the end of `num_epochs`); returns (the last evaluation's
+    results, `save`: a checkpoint of the current state, for `finish`). A fresh run is
+    evaluated before its first step; a run resumed after its last step is evaluated once."""
+    step, epoch, batches = resumed.position if resumed else (0, 0, 0)
+    state = LoopState(step, epoch, batches)
+
+    def save():
+        return ckpt.save(state.step, {"epoch": state.epoch, "batches_in_epoch": state.batches_in_epoch,
+                                      "nonfinite": guard.state(), "config": run_config})
+
+    result = run_eval(0, None) if resumed is None else None
+    progress = tqdm(total=total_steps, initial=state.step, desc=desc, disable=get_rank() != 0)
+    start_epoch = state.epoch
+    for epoch in range(start_epoch, num_epochs):
+        if state.step >= total_steps:
+            break
+        state.epoch = epoch
+        loader.sampler.set_epoch(epoch)
+        state.batches_in_epoch = state.batches_in_epoch if epoch == start_epoch else 0
+        groups = micro_batch_groups(skip_batches(loader, state.batches_in_epoch), accumulation)
+        ckpt.restore_rng(resumed)  # once, where the interrupted run stood
+        for group in groups:
+            if state.step >= total_steps:
+                break
+            start = time.time()
+            loss, extra = train_step(group, state.step + 1)
+            state.step += 1
+            state.batches_in_epoch += len(group)
+            progress.update(1)
+            log_train_step(metrics, progress, engine, step=state.step, epoch=epoch, seconds=time.time() - start,
+                           device=device, loss=loss, skipped=guard.skipped, print_loss=print_loss)
+            if extra:
+                metrics.log(state.step, extra)
+            if eval_interval and state.step % eval_interval == 0:
+                result = run_eval(state.step, None)
+            fault_point("step", state.step)
+            if ckpt.due(state.step):
+                save()
+            guard.check_halt(state.step, save)
+        result = run_eval(state.step, epoch)
+    progress.close()
+    if result is None:  # resumed after the last step: nothing was left to train
+        result = run_eval(state.step, None)
+    return result, save
+
+
+def finish(ckpt: Checkpointer, write_model: Callable[[], None], save: Callable[[], object], output_dir: str,
+           run_config: dict, result: dict, metrics) -> None:
+    """The final model (a failed write checkpoints the trained state first, see
+    Checkpointer.save_final), then training_config.json with the last evaluation."""
+    ckpt.save_final(write_model, save, output_dir)
+    if get_rank() == 0:
+        run_config["final_eval"] = result
+        save_json(run_config, f"{output_dir}/training_config.json")
+    metrics.close()
