@@ -125,6 +125,38 @@ def test_actor_rejects_bad_flags():
                     max_new_tokens=8)
 
 
+def _bare_actor(use_fast_decode):
+    """The attributes HybridActor._fast_generator reads, on an actor built without an engine
+    (its choice between the fast decoder and HF generate does not involve DeepSpeed)."""
+    actor = object.__new__(HybridActor)
+    actor.use_fast_decode, actor.max_prompt_len, actor.max_new_tokens = use_fast_decode, 8, 8
+    actor._fast, actor._fast_unavailable, actor._logged = None, False, set()
+    actor.device = torch.device("cpu")
+    return actor
+
+
+def test_fast_decode_falls_back_only_for_a_stated_reason(monkeypatch):
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    from dschat.engine import decode
+    model = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2))
+    # CPU without an explicit choice: HF generate, with the reason logged once
+    actor = _bare_actor(None)
+    assert actor._fast_generator(model, "full", 4, 4) is None and actor._fast_unavailable
+    # an unsupported model: HF generate, with its reason
+    monkeypatch.setattr(decode, "fast_decode_unsupported_reason", lambda m, max_total_len=None: "no such family")
+    actor = _bare_actor(True)
+    assert actor._fast_generator(model, "full", 4, 4) is None and "fast" in actor._logged
+    # a bug inside the fast path raises; it does not turn into a quiet fall-back
+    monkeypatch.setattr(decode, "fast_decode_unsupported_reason", lambda m, max_total_len=None: None)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the decoder")
+    monkeypatch.setattr(decode, "FastGenerator", broken)
+    with pytest.raises(RuntimeError, match="a bug in the decoder"):
+        _bare_actor(True)._fast_generator(model, "full", 4, 4)
+
+
 # -------------------------------------------------------------------- replicas
 
 @pytest.mark.parametrize("family", ["bloom", "gpt2", "llama"])

@@ -295,19 +295,14 @@ class HybridActor:
         if self.use_fast_decode is None and self.device.type != "cuda":
             reason = f"inference runs on {self.device.type}, the fast path is CUDA-only by default"
         else:
-            try:
-                from dschat.engine import decode
-                why = getattr(decode, "fast_decode_unsupported_reason", None)
-                if why is not None:
-                    reason = why(model, max_total_len=self.max_prompt_len + self.max_new_tokens)
-                elif not decode.fast_decode_supported(model, max_total_len=self.max_prompt_len
-                                                      + self.max_new_tokens):
-                    reason = "fast_decode_supported() is False for this model"
-                if reason is None:
-                    self._fast = decode.FastGenerator(model, max_prompt_len=self.max_prompt_len,
-                                                      max_new_tokens=self.max_new_tokens)
-            except Exception as exc:        # a missing or broken decode module: fall back
-                reason = f"dschat.engine.decode unavailable ({type(exc).__name__}: {exc})"
+            # an unsupported model or shape is a reason (logged once, HF generate); any other
+            # error in the decode module is a bug and raises instead of a quiet fall-back
+            from dschat.engine import decode
+            reason = decode.fast_decode_unsupported_reason(model, max_total_len=self.max_prompt_len
+                                                           + self.max_new_tokens)
+            if reason is None:
+                self._fast = decode.FastGenerator(model, max_prompt_len=self.max_prompt_len,
+                                                  max_new_tokens=self.max_new_tokens)
         if reason is not None:
             self._fast_unavailable = True
             self._log_once("fast", f"HybridActor: HF generate on the replica; fast decode off: {reason}")
