@@ -1,6 +1,8 @@
 #!/usr/bin/env python
-"""Generation under ZeRO-3, side by side in one run: plain HF, ZeRO-3 hooks, DeepSpeed's
-`unwrap_model_for_generation`, ours generic (HF generate on the replica), ours fast.
+"""Generation under ZeRO-3, side by side in one run: plain HF, HF with its static cache (the
+best stock path: on CUDA transformers compiles the decode step of a static cache), ZeRO-3
+hooks, DeepSpeed's `unwrap_model_for_generation`, ours generic (HF generate on the replica),
+ours fast.
 
     python benchmarks/generation.py --models bloom-560m bloom-7b1 --batch 16 --prompt_len 256 --new_tokens 256
 
@@ -39,7 +41,7 @@ PRESETS = {
                         num_attention_heads=16, intermediate_size=8192, rotary_pct=0.25,
                         max_position_embeddings=2048),
 }
-MODES = ("hf", "hooks", "unwrap", "generic", "fast")
+MODES = ("hf", "hf_static", "hooks", "unwrap", "generic", "fast")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -211,6 +213,16 @@ def main(argv=None):
                     extra = dict(gpu_ms_per_step=gpu_s / args.new_tokens * 1e3, gpu_busy_share=gpu_s / secs,
                                  gpu_top_ms_per_step={k[:80]: t / args.new_tokens * 1e3 for k, t in top})
             record(batch, "hf", out, runs, secs, peak, extra=extra)
+        for batch in args.batch if "hf_static" in args.modes else []:
+            ids, mask = prompts[batch]
+            static = dict(gen_kwargs, cache_implementation="static")
+            with torch.no_grad():
+                # the first call at the measured shapes builds the cache (and on CUDA compiles the
+                # decode step): timed apart, as our first call is
+                _, first_s, _ = timed(lambda: model.generate(ids, attention_mask=mask, **static), device)
+                out, runs, secs, peak = timed_runs(lambda: model.generate(ids, attention_mask=mask, **static),
+                                                   device, args.repeats)
+            record(batch, "hf static cache", out, runs, secs, peak, extra=dict(first_call_s=first_s))
         engine, *_ = deepspeed.initialize(model=model, config=eval_ds_config(zero_stage=3, dtype=args.dtype))
         engine.eval()
         for batch in args.batch:

@@ -43,12 +43,13 @@ def test_generation_benchmark_modes_agree(tmp_path):
                ["--models", "tiny-bloom", "--batch", "2", "--prompt_len", "8", "--new_tokens", "4",
                 "--dtype", "fp32", "--layered", "--repeats", "2", "--out", out], timeout=600)
     rows = _rows(out.with_suffix(".jsonl"))
-    assert [r["mode"] for r in rows] == ["hf", "zero3 hooks", "zero3 DeepSpeed unwrap", "ours generic",
-                                         "ours generic layered", "ours fast"]
+    assert [r["mode"] for r in rows] == ["hf", "hf static cache", "zero3 hooks", "zero3 DeepSpeed unwrap",
+                                         "ours generic", "ours generic layered", "ours fast"]
     assert all(r["same_rows_as_hf"] == 1.0 for r in rows[1:]), rows
     # every mode timed twice (ours after a refill each time), the table gives the median and spread
     assert all(len(r["run_seconds"]) == 2 for r in rows), rows
     assert all(r["gather_s"] > 0 for r in rows if r["mode"].startswith("ours")), rows
+    assert all(r["first_call_s"] > 0 for r in rows if r["mode"] in ("hf static cache", "ours fast")), rows
     table = out.with_suffix(".md").read_text()
     assert "| tiny-bloom | 2 | ours fast |" in table and "median of 2 runs" in table
 
