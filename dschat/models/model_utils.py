@@ -161,8 +161,6 @@ def build_lm_engine(args, tokenizer, ds_config: dict, num_update_steps: int):
     """The DeepSpeed engine of a trained causal LM from step 1's flags (--model_name_or_path,
     --dropout, LoRA, --gradient_checkpointing, optimizer and LR schedule): step 1's model and
     the DPO policy."""
-    from dschat.engine.optim import build_lr_scheduler, build_optimizer
-    from dschat.engine.zero import initialize_engine
     from dschat.models.lora import apply_lora
 
     model = create_hf_model(args.model_name_or_path, tokenizer, ds_config=ds_config,
@@ -171,6 +169,16 @@ def build_lm_engine(args, tokenizer, ds_config: dict, num_update_steps: int):
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+    return train_engine(model, args, ds_config, num_update_steps)
+
+
+def train_engine(model, args, ds_config: dict, num_update_steps: int):
+    """`model` in a DeepSpeed training engine with the optimizer and LR schedule of steps 1-2's
+    flags (--learning_rate, --weight_decay, --lora_learning_rate, --offload, --lr_scheduler_type,
+    --num_warmup_steps, --zero3_hook_granularity)."""
+    from dschat.engine.optim import build_lr_scheduler, build_optimizer
+    from dschat.engine.zero import initialize_engine
+
     optimizer = build_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay,
                                 lora_lr=args.lora_learning_rate, offload=args.offload)
     scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,

@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from dschat.rlhf.ppo_math import last_token_index, masked_mean, masked_sum_count, masked_whiten
+from dschat.rlhf.ppo_math import clipped_ratio_terms, last_token_index, masked_mean, masked_sum_count, masked_whiten
 
 __all__ = [
     "group_advantages", "rloo_advantages", "reinforce_pp_returns", "reinforce_pp_advantages",
@@ -218,14 +218,7 @@ def clipped_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tens
     """
     if advantages.dim() == 1:
         advantages = broadcast_to_tokens(advantages, mask)
-    keep = mask.bool()
-    # zero the log-ratio on masked tokens before exp so garbage there cannot overflow
-    log_ratio = torch.where(keep, logprobs.float() - old_logprobs.float(),
-                            torch.zeros((), device=logprobs.device))
-    ratio = torch.exp(log_ratio)
-    advantages = advantages.float()
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
+    unclipped, clipped = clipped_ratio_terms(logprobs, old_logprobs, advantages, mask, cliprange_low, cliprange_high)
     loss = aggregate_loss(torch.max(unclipped, clipped), mask, agg, norm_len)
     clip_fraction = masked_mean((clipped > unclipped).float(), mask)
     return loss, clip_fraction.detach()

@@ -178,6 +178,19 @@ def compute_gae(values: Tensor, rewards: Tensor, action_mask: Tensor, gamma: flo
     return advantages, returns
 
 
+def clipped_ratio_terms(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                        cliprange_low: float, cliprange_high: float) -> Tuple[Tensor, Tensor]:
+    """Per-token ``(-adv * r, -adv * clamp(r, 1 - low, 1 + high))``, all ``[B, A]`` in fp32,
+    with ``r = exp(logprobs - old_logprobs)``: the two terms of every clipped-ratio policy
+    loss (`actor_loss`, estimators.clipped_policy_loss)."""
+    # zero the log-ratio on masked tokens before exp so garbage there cannot overflow
+    log_ratio = torch.where(mask.bool(), logprobs.float() - old_logprobs.float(),
+                            torch.zeros((), device=logprobs.device))
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.float()
+    return -advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
+
+
 def actor_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                cliprange: float = 0.2) -> Tuple[Tensor, Tensor]:
     """Clipped-ratio policy loss: all inputs ``[B, A]`` -> ``(loss [], clip_fraction [])``.
@@ -186,14 +199,8 @@ def actor_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask:
     ``r = exp(logprobs - old_logprobs)``. ``clip_fraction`` is the share of answer tokens
     where the clipped term is the larger one (so its gradient is zero). Upstream clip 0.2.
     """
-    keep = mask.bool()
-    # zero the log-ratio on masked tokens before exp so garbage there cannot overflow
-    log_ratio = torch.where(keep, logprobs.float() - old_logprobs.float(),
-                            torch.zeros((), device=logprobs.device))
-    ratio = torch.exp(log_ratio)
-    advantages = advantages.float()
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss_unclipped, loss_clipped = clipped_ratio_terms(logprobs, old_logprobs, advantages, mask,
+                                                       cliprange, cliprange)
     loss = masked_mean(torch.max(loss_unclipped, loss_clipped), mask)
     clip_fraction = masked_mean((loss_clipped > loss_unclipped).float(), mask)
     return loss, clip_fraction.detach()

@@ -19,12 +19,11 @@ from dschat.cli import flags
 from dschat.cli.validate import validate_step2
 from dschat.data import DataCollatorReward, create_prompt_dataset
 from dschat.engine.config import train_ds_config
-from dschat.engine.optim import build_lr_scheduler, build_optimizer
 from dschat.engine.train_loop import finish, train_epochs
 from dschat.engine.train_utils import abandon_accumulation, make_loader, to_device
-from dschat.engine.zero import initialize_engine, release_prefetched
+from dschat.engine.zero import release_prefetched
 from dschat.models.lora import apply_lora
-from dschat.models.model_utils import load_tokenizer
+from dschat.models.model_utils import load_tokenizer, train_engine
 from dschat.models.reward_model import create_reward_model, save_reward_model
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard
 from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, init_distributed
@@ -55,12 +54,7 @@ def build_engine(args, tokenizer, ds_config, num_update_steps):
                                      args.only_optimize_lora)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    optimizer = build_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                lora_lr=args.lora_learning_rate, offload=args.offload)
-    scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
-                                   num_update_steps)
-    return initialize_engine(model, ds_config, args.zero3_hook_granularity, optimizer=optimizer,
-                             lr_scheduler=scheduler, dist_init_required=True)
+    return train_engine(model, args, ds_config, num_update_steps)
 
 
 def train_step(engine, group, device, world: int, guard: NonFiniteGuard, step: int) -> float | None:
