@@ -5,13 +5,14 @@
 #
 #   MODEL=/path/to/SmolLM2-135M-Instruct DATA=/path/to/harmless-base-test.jsonl.gz bash scripts/run_real_smollm2.sh
 #
-# The first seed runs steps 1, 2 (policy and judge reward models) and 3; every other seed in
-# SEEDS and every point of SWEEP reuses its steps 1-2 (linked, not retrained) and runs step 3
-# and the held-out evaluation again. SWEEP holds "name|step-3 flags" entries, each run at the
-# first seed. The last lines print the table of all runs (applications/compare_runs.py). A run
-# whose report.json exists is skipped, so running the script again continues where it stopped.
+# Steps 1-2 (SFT, the policy and the judge reward models) run once, with the first seed; every
+# seed in SEEDS and every point of SWEEP reuses them (linked, not retrained) and runs step 3 and
+# the held-out evaluation, PARALLEL runs at once (a 135M model leaves most of a GPU idle).
+# SWEEP holds "name|step-3 flags" entries, each run at the first seed. The last lines print the
+# table of all runs (applications/compare_runs.py). A run whose report.json exists is skipped,
+# so running the script again continues where it stopped; each run logs to OUT/<run>.log.
 #   SEEDS="1234 1235 1236"  SWEEP="kl0.05|--kl_ctl 0.05;lr1e-5|--actor_learning_rate 1e-5"
-#   OUT=output/real-smollm2  DEPLOYMENT=single_gpu (cpu: a few steps each, a smoke test)
+#   PARALLEL=1  OUT=output/real-smollm2  DEPLOYMENT=single_gpu (cpu: a few steps each, a smoke test)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 : "${MODEL:?set MODEL to a SmolLM2-135M-Instruct folder}"
@@ -20,6 +21,7 @@ OUT=${OUT:-$ROOT/output/real-smollm2}
 SEEDS=${SEEDS:-1234 1235 1236}
 SWEEP=${SWEEP:-}
 DEPLOYMENT=${DEPLOYMENT:-single_gpu}
+PARALLEL=${PARALLEL:-1}
 read -r -a seeds <<< "$SEEDS"
 first=${seeds[0]}
 e2e() {  # a run whose report exists is done (rerunning the script continues where it stopped)
@@ -30,23 +32,30 @@ e2e() {  # a run whose report exists is done (rerunning the script continues whe
 }
 reuse() {  # a run folder sharing the first run's data, SFT model and both reward models
   mkdir -p "$1"
+  [ "$1" = "$OUT/seed$first" ] && return 0
   for part in data data_cache step1 step2 step2_judge; do
     [ -e "$1/$part" ] || ln -s "$OUT/seed$first/$part" "$1/$part"
   done
 }
 
-runs=("$OUT/seed$first")
-e2e --output-dir "$OUT/seed$first" --seed "$first"
-for seed in "${seeds[@]:1}"; do
-  reuse "$OUT/seed$seed"
-  e2e --output-dir "$OUT/seed$seed" --seed "$seed" --step 3
-  runs+=("$OUT/seed$seed")
-done
+# steps 1-2 once (the first seed's), then every step-3 run (seeds, sweep points), PARALLEL at once
+e2e --output-dir "$OUT/seed$first" --seed "$first" --step 1 2 --no-report
+step3_run() {  # step3_run FOLDER SEED [STEP-3 FLAGS]: step 3, the held-out evaluation, the report
+  reuse "$1"
+  e2e --output-dir "$1" --seed "$2" --step 3 ${3:+--step3-args "$3"} > "$1.log" 2>&1
+}
+runs=() failed=0
+queue() {
+  while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n || failed=$((failed + 1)); done
+  runs+=("$1")
+  step3_run "$@" &
+}
+for seed in "${seeds[@]}"; do queue "$OUT/seed$seed" "$seed"; done
 IFS=';' read -r -a points <<< "$SWEEP"
 for point in "${points[@]}"; do
   name=${point%%|*}; flags=${point#*|}
-  reuse "$OUT/$name-seed$first"
-  e2e --output-dir "$OUT/$name-seed$first" --seed "$first" --step 3 --step3-args "$flags"
-  runs+=("$OUT/$name-seed$first")
+  queue "$OUT/$name-seed$first" "$first" "$flags"
 done
+while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n || failed=$((failed + 1)); done
+[ "$failed" = 0 ] || echo "$failed step-3 run(s) failed: see OUT/<run>.log" >&2
 python3 "$ROOT/applications/compare_runs.py" "${runs[@]}" --out "$OUT/runs.md" --plot "$OUT/runs.png"

@@ -171,7 +171,7 @@ def _check_eval_output(stdout, jsonl, n):
     summary = json.loads(stdout.strip().splitlines()[-1])
     records = [json.loads(x) for x in Path(jsonl).read_text().splitlines()]
     assert summary["total"] == len(records) == n
-    assert set(records[0]) == {"index", "prompt", "reference", "completion", "prediction", "correct"}
+    assert set(records[0]) == {"index", "prompt", "reference", "completion", "prediction", "correct", "difficulty"}
     assert [r["index"] for r in records] == list(range(n))
     for r in records:
         assert r["correct"] == A.is_correct(r["completion"], r["reference"])
@@ -187,12 +187,15 @@ def test_eval_cli_end_to_end_on_a_tiny_llama(task_dir, tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([sys.executable, "-m", "dschat.tasks.arithmetic", "eval", "--model", model,
                            "--data", str(task_dir / "eval.jsonl"), "--limit", "4", "--max_new_tokens", "8",
-                           "--batch_size", "3", "--chat_template", "none", "--jsonl", str(out)],
+                           "--batch_size", "3", "--chat_template", "none", "--jsonl", str(out),
+                           "--summary", str(tmp_path / "summary.json")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = _check_eval_output(proc.stdout, out, 4)
     first = json.loads((task_dir / "eval.jsonl").read_text().splitlines()[0])
     assert records[0]["prompt"] == first["prompt"] and records[0]["reference"] == first["answer"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["by_difficulty"] == {"2": {"accuracy": summary["accuracy"], "total": 4}}
 
 
 def test_eval_with_a_chat_template_in_process(task_dir, tmp_path, capsys):
@@ -228,3 +231,31 @@ def test_evaluate_marks_right_answers_right():
                                    chat_template="none", batch_size=2)
     assert [r["correct"] for r in records] == [True, False, True] and accuracy == pytest.approx(2 / 3)
     assert records[0]["completion"] == " 3 + 4 = 7.\n#### 7" and records[0]["prediction"] == "7"
+
+
+def _records(pairs):
+    """evaluate()-style records from (difficulty, correct) pairs."""
+    return [{"difficulty": d, "correct": ok, "prediction": "1" if ok else None} for d, ok in pairs]
+
+
+def test_summary_by_difficulty_and_the_difficulty_pick(tmp_path, capsys):
+    records = _records([(1, True)] * 9 + [(1, False)] + [(2, True)] * 3 + [(2, False)] * 7
+                       + [(3, True)] + [(3, False)] * 9 + [(4, False)] * 10)
+    summary = A.summarize(records)
+    assert summary["accuracy"] == pytest.approx(13 / 40) and summary["answered"] == pytest.approx(13 / 40)
+    assert {d: v["accuracy"] for d, v in summary["by_difficulty"].items()} == {"1": 0.9, "2": 0.3, "3": 0.1, "4": 0.0}
+    assert A.pick_difficulty(summary, 0.1, 0.4) == 2           # 0.3 is nearer 0.25 than 0.1 is
+    assert A.pick_difficulty(summary, 0.05, 0.15) == 3
+    with pytest.raises(UserInputError, match=r"within \[0.5, 0.8\].*1: 0.900, 2: 0.300"):
+        A.pick_difficulty(summary, 0.5, 0.8)
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(summary))
+    assert A.main(["pick", "--summary", str(path)]) == 0 and capsys.readouterr().out.strip() == "2"
+    assert A.main(["pick", "--summary", str(tmp_path / "missing.json")]) == 2
+    assert "--summary" in capsys.readouterr().err
+
+
+def test_connectors_lower_case_the_sentence_they_join():
+    joined = [re.search(re.escape(c) + r" (\w)", p.question) for p in A.generate(300, "2-6", 3, "train")
+              for c in A.CONNECTORS]
+    assert any(joined) and all(m.group(1).islower() for m in joined if m)   # "After that, by the end ..."

@@ -362,3 +362,21 @@ def test_grpo_checkpoint_resumes_under_grpo(setup, tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert not (tmp_path / "critic").exists() and (tmp_path / "actor" / "model.safetensors").exists()
+
+
+def test_ppo_with_function_rewards_starts_its_critic_from_the_sft_model(setup, tmp_path):
+    """Rewards from a function only (the reward model's weight 0): the critic may start from a
+    causal-LM folder (the actor's own), with a new value head, and no reward model is built."""
+    root, actor, _ = setup
+    log = run(argv(setup, tmp_path, "--algorithm", "ppo", "--n_samples_per_prompt", "1",
+                   "--reward_fn", f"{root / 'rewards.py'}:lengthy", "--critic_model_name_or_path", actor,
+                   "--reward_weights", "0,1", "--critic_zero_stage", "3"))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 2 and "critic engine ready" in log
+    assert all(math.isfinite(r["ppo/critic_loss"]) for r in rows), rows
+    assert (tmp_path / "critic" / "model.safetensors").exists()
+    # the same LM folder as the reward model (weight 1) is refused with the step-2 hint
+    proc = launch(STEP3, argv(setup, tmp_path / "bad", "--algorithm", "ppo", "--n_samples_per_prompt", "1",
+                              "--reward_fn", f"{root / 'rewards.py'}:lengthy",
+                              "--critic_model_name_or_path", actor), timeout=240)
+    assert proc.returncode != 0 and "is not a reward model" in proc.stdout, proc.stdout[-3000:]

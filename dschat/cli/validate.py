@@ -253,9 +253,10 @@ def step3_problems(args) -> list[str]:
         pass                     # whether one is needed is checked by _algorithm
     elif not os.path.isdir(critic):
         out.append(f"--critic_model_name_or_path {critic}: no such folder (pass the step-2 output folder)")
-    elif not is_reward_checkpoint(critic):
+    elif not is_reward_checkpoint(critic) and _reward_model_scores(args):
         out.append(f"--critic_model_name_or_path {critic} is not a reward model (no reward_model.json "
-                   "and no DS-Chat v_head weights); pass the step-2 output folder")
+                   "and no DS-Chat v_head weights); pass the step-2 output folder (a causal LM may only "
+                   "start the critic: with --reward_fn and the reward model's weight 0 in --reward_weights)")
     if args.output_dir is None:
         out.append("--output_dir is required")
     else:
@@ -272,6 +273,16 @@ def step3_problems(args) -> list[str]:
     out += _data_split(args) + _data_paths(args)
     out += checkpoint_problems(args)
     return out
+
+
+def _reward_model_scores(args) -> bool:
+    """Whether --critic_model_name_or_path is also the reward model (its --reward_weights entry
+    is not 0); a malformed --reward_weights is reported by _algorithm, so it counts as yes here."""
+    from dschat.rlhf.algorithm import uses_reward_model
+    try:
+        return uses_reward_model(args)
+    except (UserInputError, ValueError):
+        return True
 
 
 def _algorithm(args) -> list[str]:

@@ -18,7 +18,7 @@ from dschat.engine.optim import build_lr_scheduler, build_optimizer
 from dschat.engine.zero import gathered, initialize_engine
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import create_hf_model
-from dschat.models.reward_model import load_reward_model
+from dschat.models.reward_model import create_reward_model, load_reward_model
 from dschat.rlhf.ppo_math import ema_update_
 from dschat.utils.logging import print_rank_0
 
@@ -106,8 +106,12 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
 
     critic_engine = None
     if uses_critic(args):  # critic: from the reward model, trained
-        critic = load_reward_model(args.critic_model_name_or_path, tokenizer, dropout=args.critic_dropout,
-                                   flag="--critic_model_name_or_path")
+        if uses_reward_model(args):
+            critic = load_reward_model(args.critic_model_name_or_path, tokenizer, dropout=args.critic_dropout,
+                                       flag="--critic_model_name_or_path")
+        else:  # rewards from functions only: a causal LM (the SFT model) may start the critic, new value head
+            critic = create_reward_model(args.critic_model_name_or_path, tokenizer, ds_config=critic_cfg,
+                                         dropout=args.critic_dropout, seed=args.seed)
         critic.rwtransformer = apply_lora(critic.rwtransformer, args.critic_lora_dim,
                                           args.critic_lora_module_name, args.only_optimize_lora)
         if args.critic_gradient_checkpointing:

@@ -185,7 +185,7 @@ def _sentence(rng: random.Random, step: Step, words: dict, first: bool) -> str:
     text = rng.choice(TEMPLATES[kind]).format(**fill)
     if first:
         return text[0].upper() + text[1:]
-    return f"{rng.choice(CONNECTORS)} {text}"
+    return f"{rng.choice(CONNECTORS)} {text[0].lower() + text[1:]}"  # "Then, by the end of the week, ..."
 
 
 def _solution_line(step: Step, value: int, result: int, words: dict) -> str:
@@ -291,7 +291,8 @@ def write_jsonl(rows: Sequence[dict], path: Path) -> None:
 
 def read_eval_rows(path: str, limit: Optional[int] = None, flag: str = "--data") -> list[dict]:
     """Rows with a "prompt" and a reference: their "answer", else the number after "####"
-    in "chosen". Returns [{"prompt", "reference"}], the first `limit` of them."""
+    in "chosen". Returns [{"prompt", "reference", "difficulty"}] (difficulty None when the row
+    has none), the first `limit` of them."""
     if not Path(path).is_file():
         raise UserInputError(f"{flag} {path}: no such file")
     rows = []
@@ -309,7 +310,8 @@ def read_eval_rows(path: str, limit: Optional[int] = None, flag: str = "--data")
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or _value(reference) is None:
                 raise UserInputError(f"{flag} {path} line {number}: needs a string 'prompt' and a numeric "
                                      "'answer' (or a 'chosen' solution ending in '#### N')")
-            rows.append({"prompt": record["prompt"], "reference": str(reference)})
+            rows.append({"prompt": record["prompt"], "reference": str(reference),
+                         "difficulty": record.get("difficulty")})
             if limit is not None and len(rows) == limit:
                 break
     if not rows:
@@ -376,10 +378,37 @@ def evaluate(model, tokenizer, rows: Sequence[dict], *, chat_template: str = "au
     completions = generate_greedy(model, tokenizer, chat, [r["prompt"] for r in rows], max_new_tokens,
                                   batch_size)
     records = [{"index": i, "prompt": r["prompt"], "reference": r["reference"], "completion": c,
-                "prediction": extract_answer(c), "correct": is_correct(c, r["reference"])}
+                "prediction": extract_answer(c), "correct": is_correct(c, r["reference"]),
+                "difficulty": r.get("difficulty")}
                for i, (r, c) in enumerate(zip(rows, completions))]
     accuracy = sum(r["correct"] for r in records) / len(records)
     return accuracy, records
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """Accuracy overall and per difficulty (operations per problem) of `evaluate`'s records,
+    and the share of answers that gave a number after "####" at all."""
+    by: dict[int, list[bool]] = {}
+    for r in records:
+        if r.get("difficulty") is not None:
+            by.setdefault(int(r["difficulty"]), []).append(bool(r["correct"]))
+    return {"accuracy": sum(r["correct"] for r in records) / len(records),
+            "correct": sum(r["correct"] for r in records), "total": len(records),
+            "answered": sum(r["prediction"] is not None for r in records) / len(records),
+            "by_difficulty": {str(d): {"accuracy": sum(v) / len(v), "total": len(v)}
+                              for d, v in sorted(by.items())}}
+
+
+def pick_difficulty(summary: dict, low: float, high: float) -> int:
+    """The difficulty whose accuracy in `summary["by_difficulty"]` lies in [low, high] and is
+    nearest their middle; UserInputError when none does (the message lists them all)."""
+    table = {int(d): v["accuracy"] for d, v in summary.get("by_difficulty", {}).items()}
+    inside = [d for d, acc in table.items() if low <= acc <= high]
+    if not inside:
+        listed = ", ".join(f"{d}: {acc:.3f}" for d, acc in sorted(table.items())) or "none"
+        raise UserInputError(f"no difficulty has an accuracy within [{low}, {high}] (by difficulty: {listed})")
+    middle = (low + high) / 2
+    return min(inside, key=lambda d: (abs(table[d] - middle), d))
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -413,6 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=_positive, default=None, help="evaluate the first N rows only")
     ev.add_argument("--jsonl", default=None, help="write one JSON record per row here")
     ev.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
+    ev.add_argument("--summary", default=None,
+                    help="write the summary JSON here (accuracy overall and per difficulty)")
+    pick = sub.add_parser("pick", help="print the difficulty whose accuracy in an eval --summary lies in "
+                                       "[--low, --high], nearest the middle")
+    pick.add_argument("--summary", required=True, help="an eval --summary file of a mixed-difficulty set")
+    pick.add_argument("--low", type=float, default=0.1, help="lowest accuracy accepted")
+    pick.add_argument("--high", type=float, default=0.4, help="highest accuracy accepted")
     return p
 
 
@@ -436,21 +472,32 @@ def _eval(args) -> None:
         raise UserInputError(f"--device {device}: no CUDA device on this machine")
     rows = read_eval_rows(args.data, args.limit)
     model, tokenizer = load_model(args.model, device)
-    accuracy, records = evaluate(model, tokenizer, rows, chat_template=args.chat_template,
+    _, records = evaluate(model, tokenizer, rows, chat_template=args.chat_template,
                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     for r in records:
         print(f"{r['index']}\t{'ok' if r['correct'] else 'wrong'}\treference={r['reference']}\t"
               f"prediction={r['prediction']}")
     if args.jsonl:
         write_jsonl(records, Path(args.jsonl))
-    print(json.dumps({"accuracy": accuracy, "correct": sum(r["correct"] for r in records),
-                      "total": len(records), "model": args.model, "data": args.data, "device": device}))
+    summary = dict(summarize(records), model=args.model, data=args.data, device=device)
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary))
+
+
+def _pick(args) -> None:
+    try:
+        summary = json.loads(Path(args.summary).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserInputError(f"--summary {args.summary}: not a readable summary ({e})") from None
+    print(pick_difficulty(summary, args.low, args.high))
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        _make(args) if args.command == "make" else _eval(args)
+        {"make": _make, "eval": _eval, "pick": _pick}[args.command](args)
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -75,13 +75,15 @@ def parse_args(argv=None):
     g.add_argument("--actor_model_name_or_path", type=str, required=True, help="Step-1 output folder (or config).")
     g.add_argument("--critic_model_name_or_path", type=str, default=None,
                    help="Step-2 output folder: a reward model (ours or DS-Chat's format). It initialises the "
-                        "critic (--algorithm ppo: required, even when only --reward_fn rewards: give the "
-                        "reward model its weight 0 in --reward_weights to leave it out of the rewards) and is "
-                        "the reward model. Optional for critic-free algorithms given --reward_fn.")
+                        "critic (--algorithm ppo: required) and is the reward model. With --reward_fn and this "
+                        "model's weight 0 in --reward_weights it only initialises the critic, and may then be a "
+                        "causal-LM folder (the SFT model; the value head starts new). Optional for critic-free "
+                        "algorithms given --reward_fn.")
     g.add_argument("--num_padding_at_beginning", type=int, default=None,
                    help="Kept for DS-Chat compatibility; sequence ends are read from attention masks.")
     g = p.add_argument_group("PPO")
-    g.add_argument("--per_device_generation_batch_size", type=int, default=16, help="Prompts per rank per generation.")
+    g.add_argument("--per_device_generation_batch_size", type=int, default=16,
+                   help="Answers generated per rank per rollout batch (prompts x --n_samples_per_prompt).")
     g.add_argument("--per_device_training_batch_size", type=int, default=16, help="PPO micro-batch per rank.")
     g.add_argument("--generation_batches", type=int, default=1, help="Generation batches per PPO update round.")
     g.add_argument("--ppo_epochs", type=int, default=1, help="PPO epochs over each round of experience.")
