@@ -15,6 +15,7 @@ import torch
 from torch.profiler import record_function
 
 from dschat.engine.train_utils import lm_loss_sum
+from dschat.models.fused_head import FusedLogprobs
 from dschat.registry import logits_to_keep_kwargs, position_ids_for
 from dschat.rlhf import estimators as est
 from dschat.rlhf import ppo_math as pm
@@ -22,6 +23,7 @@ from dschat.rlhf.engine import RLHFEngines, update_ema
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.reward_fn import RewardFunctionError, combine_rewards, score
 from dschat.utils import dist
+from dschat.utils.logging import print_rank_0
 
 
 @dataclass
@@ -55,6 +57,7 @@ class PPOConfig:
     skip_bad_rewards: bool = False
     reward_weights: Optional[Sequence[float]] = None  # reward model (if any) first, then functions
     filter_max_extra: int = 4         # --filter_groups: extra generation rounds at most per step
+    fused_logprobs: bool = True       # output layer + log-softmax in token chunks (dschat.models.fused_head)
 
     @property
     def clip_low(self) -> float:
@@ -187,12 +190,8 @@ class PPOTrainer:
             logprobs = pm.gather_log_probs(_answer_logits(logits, seq, P), pm.answer_tokens(seq, P))
             del logits
         if self.e.ref is not None:
-            with record_function("dschat/score/reference"):
-                ref_logits = self.e.ref(input_ids=seq, attention_mask=attention_mask, use_cache=False,
-                                        **_positions(self.e.ref.module, attention_mask),
-                                        **logits_to_keep_kwargs(self.e.ref.module, keep)).logits
-                ref_logprobs = pm.gather_log_probs(_answer_logits(ref_logits, seq, P), pm.answer_tokens(seq, P))
-                del ref_logits
+            with record_function("dschat/score/reference"), torch.no_grad():
+                ref_logprobs, _ = self._answer_logprobs(self.e.ref, seq, attention_mask, P)
         else:  # --kl_ctl 0: no reference model; the KL is 0
             ref_logprobs = logprobs.clone()
         reward, valid = self.score(seq, attention_mask, prompt_mask, answer_tokens, P, fields, timings)
@@ -357,6 +356,27 @@ class PPOTrainer:
         out = Experience.concat(kept, self.pad) if len(kept) > 1 else kept[0]
         return out.select(torch.arange(least * n)), stats
 
+    def _answer_logprobs(self, engine, seq: torch.Tensor, attention_mask: torch.Tensor, P: int,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(log p of each answer token, entropy of each answer position or None) [B, A] fp32
+        under `engine`'s model; the entropy detached. The LM head runs on the answer-predicting
+        columns only, fused with the log-softmax in token chunks where the model allows
+        (--logprobs fused: no [B, A, V] logits), else as HF logits then log-softmax."""
+        module = engine.module
+        keep = seq.shape[1] - P + 1
+        with FusedLogprobs(module, seq, enabled=self.cfg.fused_logprobs) as head:
+            out = engine(input_ids=seq, attention_mask=attention_mask, use_cache=False,
+                         **_positions(module, attention_mask), **logits_to_keep_kwargs(module, keep)).logits
+        if not getattr(self, "_logprobs_logged", False):
+            self._logprobs_logged = True
+            print_rank_0("log-probs: output layer fused with the log-softmax (no [B, A, V] logits)" if head.active
+                         else f"log-probs from full logits (fused output layer off: {head.reason})")
+        if head.active:
+            return _answer_logits(out, seq, P), _answer_logits(head.entropy, seq, P)
+        answer_logits = _answer_logits(out, seq, P)
+        return (pm.gather_log_probs(answer_logits, pm.answer_tokens(seq, P)),
+                _row_entropy(answer_logits) if with_entropy else None)
+
     # ------------------------------------------------------------------ training
     def train_rlhf(self, exp: Experience) -> dict:
         """One actor (and, under ppo, one critic) update on a micro-batch of experience."""
@@ -365,12 +385,8 @@ class PPOTrainer:
         self.train()
         # the same positions as generation and the experience pass (left-padded prompts)
         with record_function("dschat/train/actor_forward"):
-            keep = exp.seq.shape[1] - P + 1
-            logits = self.e.actor(input_ids=exp.seq, attention_mask=exp.attention_mask, use_cache=False,
-                                  **_positions(self.e.actor.module, exp.attention_mask),
-                                  **logits_to_keep_kwargs(self.e.actor.module, keep)).logits
-            answer_logits = _answer_logits(logits, exp.seq, P)
-            logprobs = pm.gather_log_probs(answer_logits, pm.answer_tokens(exp.seq, P))
+            logprobs, entropy = self._answer_logprobs(self.e.actor, exp.seq, exp.attention_mask, P,
+                                                      with_entropy=True)
             if c.clip_low == c.clip_high == c.cliprange and c.loss_agg == "token_mean":
                 # DS-Chat's loss (clipped_policy_loss computes the same numbers)
                 a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
@@ -388,8 +404,7 @@ class PPOTrainer:
             low, high = est.clip_fractions(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
                                            c.clip_low, c.clip_high)
             stats.update(actor_clip_frac_low=low, actor_clip_frac_high=high,
-                         entropy=_masked_entropy(answer_logits, exp.action_mask))
-        del logits, answer_logits
+                         entropy=pm.masked_mean(entropy, exp.action_mask))
         self._actor_updated = self._update("actor", a_loss, self.e.actor)
         stats.update(actor_loss=a_loss.detach(), actor_clip_frac=a_clip)
         if self.e.critic is None:
@@ -531,14 +546,11 @@ def _reduce_min(value: torch.Tensor) -> float:
     return -dist.all_reduce_max(-value.detach().float()).item()
 
 
-def _masked_entropy(answer_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean entropy of the actor's next-token distribution over the answer tokens, one row
-    at a time (a [A, V] fp32 temporary rather than [B, A, V]); detached."""
-    total = torch.zeros((), device=answer_logits.device)
-    for row in range(answer_logits.shape[0]):
-        ent = pm.entropy_from_logits(answer_logits[row:row + 1].detach())
-        total = total + (ent * mask[row:row + 1]).sum()
-    return total / mask.sum().clamp(min=1)
+def _row_entropy(answer_logits: torch.Tensor) -> torch.Tensor:
+    """Entropy [B, A] of the next-token distributions, one row at a time (a [A, V] fp32
+    temporary rather than [B, A, V]); detached."""
+    return torch.cat([pm.entropy_from_logits(answer_logits[row:row + 1].detach())
+                      for row in range(answer_logits.shape[0])])
 
 
 def _answer_logits(logits: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Tensor:

@@ -197,6 +197,12 @@ def parse_args(argv=None):
                         "is 3, else 0. 0 keeps a whole copy on every GPU (faster scoring, more memory).")
     flags.add_zero3_hooks_arg(g)
     g.add_argument("--actor_gradient_checkpointing", action="store_true", help="Actor activation checkpointing.")
+    g.add_argument("--logprobs", choices=("fused", "plain"), default="fused",
+                   help="How the actor's training forward and the reference's scoring get token log-probs. "
+                        "fused: the output layer and the log-softmax run together over chunks of tokens, so "
+                        "[batch, answer, vocabulary] logits never exist (same numbers; a model whose output "
+                        "layer is not a plain linear layer, or that rescales its logits, runs plain, said once "
+                        "in the log). plain: HF's logits, then the log-softmax (DS-Chat's way).")
     g.add_argument("--critic_gradient_checkpointing", action="store_true", help="Critic activation checkpointing.")
     g.add_argument("--actor_dropout", type=float, default=0.0,
                    help="Actor dropout (default 0.0, as upstream's step-3 scripts: with dropout the PPO "
@@ -255,7 +261,8 @@ def ppo_config(args) -> PPOConfig:
                      kl_target=args.kl_target, kl_horizon=args.kl_horizon, loss_agg=args.loss_agg,
                      cliprange_low=args.cliprange_low, cliprange_high=args.cliprange_high,
                      overlong_buffer=args.overlong_penalty, skip_bad_rewards=args.skip_bad_rewards,
-                     reward_weights=weights, filter_max_extra=args.filter_groups_max_extra)
+                     reward_weights=weights, filter_max_extra=args.filter_groups_max_extra,
+                     fused_logprobs=args.logprobs == "fused")
 
 
 def reward_functions(args) -> list[RewardFn]:
