@@ -8,7 +8,8 @@
 # 1. A short SFT (step 1) on worked solutions at difficulties 1-6 teaches the answer format
 #    ("#### N"); a 135M instruct model hardly ever writes it on its own.
 # 2. The SFT model is scored on a held-out probe of every difficulty; the task's difficulty is
-#    the one where it answers 10-40% correctly (DIFFICULTY= sets it instead).
+#    the one where it answers 10-40% correctly, else the narrowest mix of consecutive ones
+#    expected to ("1-2"; `python -m dschat.tasks.arithmetic pick`; DIFFICULTY= sets it instead).
 # 3. Step 3 per algorithm and seed from the SFT model, rewards from
 #    dschat/tasks/arithmetic.py:exact_match_reward only (ppo's critic starts from the SFT model),
 #    then greedy exact match on held-out problems of that difficulty.

@@ -244,10 +244,14 @@ def test_summary_by_difficulty_and_the_difficulty_pick(tmp_path, capsys):
     summary = A.summarize(records)
     assert summary["accuracy"] == pytest.approx(13 / 40) and summary["answered"] == pytest.approx(13 / 40)
     assert {d: v["accuracy"] for d, v in summary["by_difficulty"].items()} == {"1": 0.9, "2": 0.3, "3": 0.1, "4": 0.0}
-    assert A.pick_difficulty(summary, 0.1, 0.4) == 2           # 0.3 is nearer 0.25 than 0.1 is
-    assert A.pick_difficulty(summary, 0.05, 0.15) == 3
-    with pytest.raises(UserInputError, match=r"within \[0.5, 0.8\].*1: 0.900, 2: 0.300"):
-        A.pick_difficulty(summary, 0.5, 0.8)
+    assert A.pick_difficulty(summary, 0.1, 0.4) == "2"         # 0.3 is nearer 0.25 than 0.1 is
+    assert A.pick_difficulty(summary, 0.05, 0.15) == "3"
+    assert A.pick_difficulty(summary, 0.5, 0.7) == "1-2"       # no single one: the 1-2 mix expects 0.6
+    with pytest.raises(UserInputError, match=r"within \[0.95, 1.0\].*1: 0.900, 2: 0.300"):
+        A.pick_difficulty(summary, 0.95, 1.0)
+    # the probe that chose the task on the GPU: one operation 0.407, two 0.077 -> the 1-2 mix (0.242)
+    probe = {"by_difficulty": {"1": {"accuracy": 0.407}, "2": {"accuracy": 0.077}, "3": {"accuracy": 0.067}}}
+    assert A.pick_difficulty(probe, 0.1, 0.4) == "1-2"
     path = tmp_path / "summary.json"
     path.write_text(json.dumps(summary))
     assert A.main(["pick", "--summary", str(path)]) == 0 and capsys.readouterr().out.strip() == "2"

@@ -399,16 +399,25 @@ def summarize(records: Sequence[dict]) -> dict:
                               for d, v in sorted(by.items())}}
 
 
-def pick_difficulty(summary: dict, low: float, high: float) -> int:
-    """The difficulty whose accuracy in `summary["by_difficulty"]` lies in [low, high] and is
-    nearest their middle; UserInputError when none does (the message lists them all)."""
+def pick_difficulty(summary: dict, low: float, high: float) -> str:
+    """The difficulty ("3") whose accuracy in `summary["by_difficulty"]` lies in [low, high],
+    nearest their middle; when no single one does, the narrowest range of consecutive
+    difficulties ("1-2", a uniform mix as `make` draws it) whose expected accuracy, the mean
+    of theirs, does. UserInputError when nothing does (the message lists them all)."""
     table = {int(d): v["accuracy"] for d, v in summary.get("by_difficulty", {}).items()}
-    inside = [d for d, acc in table.items() if low <= acc <= high]
-    if not inside:
-        listed = ", ".join(f"{d}: {acc:.3f}" for d, acc in sorted(table.items())) or "none"
-        raise UserInputError(f"no difficulty has an accuracy within [{low}, {high}] (by difficulty: {listed})")
+    levels = sorted(table)
     middle = (low + high) / 2
-    return min(inside, key=lambda d: (abs(table[d] - middle), d))
+    for width in range(1, len(levels) + 1):
+        ranges = [levels[i:i + width] for i in range(len(levels) - width + 1)
+                  if levels[i + width - 1] - levels[i] == width - 1]          # consecutive only
+        inside = [(abs(sum(table[d] for d in r) / width - middle), r[0], r) for r in ranges
+                  if low <= sum(table[d] for d in r) / width <= high]
+        if inside:
+            best = min(inside)[2]
+            return str(best[0]) if width == 1 else f"{best[0]}-{best[-1]}"
+    listed = ", ".join(f"{d}: {acc:.3f}" for d, acc in sorted(table.items())) or "none"
+    raise UserInputError(f"no difficulty or mix of consecutive difficulties has an accuracy within "
+                         f"[{low}, {high}] (by difficulty: {listed})")
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -444,8 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
     ev.add_argument("--summary", default=None,
                     help="write the summary JSON here (accuracy overall and per difficulty)")
-    pick = sub.add_parser("pick", help="print the difficulty whose accuracy in an eval --summary lies in "
-                                       "[--low, --high], nearest the middle")
+    pick = sub.add_parser("pick", help="print the difficulty (or mix of consecutive ones, '1-2') whose "
+                                       "accuracy in an eval --summary lies in [--low, --high], nearest the middle")
     pick.add_argument("--summary", required=True, help="an eval --summary file of a mixed-difficulty set")
     pick.add_argument("--low", type=float, default=0.1, help="lowest accuracy accepted")
     pick.add_argument("--high", type=float, default=0.4, help="highest accuracy accepted")
