@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from applications.compare_runs import group_name
+from applications.compare_runs import group_name, grouped_table
 from dschat.utils.metrics import read_metrics
 
 
@@ -48,25 +48,8 @@ COLUMNS = (("held-out exact match %", "accuracy", ".1f"), ("gain (points)", "gai
 
 
 def table(rows: dict[str, dict], start: float | None) -> str:
-    lines = ["| run | " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
-    if start is not None:
-        lines.append(f"| start (before step 3) | {100 * start:.1f} |" + " |" * (len(COLUMNS) - 1))
-    groups: dict[str, list[str]] = {}
-    for name in rows:
-        groups.setdefault(group_name(name), []).append(name)
-    for group, names in groups.items():
-        for name in names:
-            cells = ["n/a" if rows[name][k] is None else format(rows[name][k], f) for _, k, f in COLUMNS]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        if len(names) > 1:
-            cells = []
-            for _, k, f in COLUMNS:
-                xs = [rows[n][k] for n in names if rows[n][k] is not None]
-                f = ".1f" if f == "d" else f
-                cells.append("n/a" if not xs else format(statistics.mean(xs), f) + " ± "
-                             + format(statistics.stdev(xs) if len(xs) > 1 else 0.0, f.lstrip("+")))
-            lines.append(f"| **{group}: mean ± sd of {len(names)}** | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    head = [] if start is None else [f"| start (before step 3) | {100 * start:.1f} |" + " |" * (len(COLUMNS) - 1)]
+    return grouped_table(rows, COLUMNS, head)
 
 
 def plot(folders: list[Path], out: str) -> None:

@@ -45,23 +45,34 @@ def group_name(run: str) -> str:
     return re.sub(r"(^|[-_/])seed\d+$", "", run)
 
 
-def table(runs: dict[str, dict]) -> str:
-    lines = ["| run | " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+def grouped_table(values: dict[str, dict], columns, head_rows=()) -> str:
+    """A markdown table of runs: `values[run][key]` (None: "n/a") under `columns`, a list of
+    (header, key, format); after each group of runs that differ only by seed (`group_name`)
+    a "mean ± sd" row (format "d" is shown as ".1f" there). `head_rows`: lines put first."""
+    lines = ["| run | " + " | ".join(h for h, _, _ in columns) + " |", "|---" * (len(columns) + 1) + "|",
+             *head_rows]
     groups: dict[str, list[str]] = {}
-    for name in runs:
+    for name in values:
         groups.setdefault(group_name(name), []).append(name)
     for group, names in groups.items():
         for name in names:
-            cells = [("n/a" if (v := value(runs[name], p)) is None else format(v, f)) for _, p, f in COLUMNS]
+            cells = ["n/a" if (v := values[name][k]) is None else format(v, f) for _, k, f in columns]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         if len(names) > 1:
             cells = []
-            for _, p, f in COLUMNS:
-                xs = [v for n in names if (v := value(runs[n], p)) is not None]
+            for _, k, f in columns:
+                xs = [v for n in names if (v := values[n][k]) is not None]
+                f = ".1f" if f == "d" else f
                 cells.append("n/a" if not xs else format(statistics.mean(xs), f) + " ± "
                              + format(statistics.stdev(xs) if len(xs) > 1 else 0.0, f.lstrip("+")))
             lines.append(f"| **{group or 'all'}: mean ± sd of {len(names)}** | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def table(runs: dict[str, dict]) -> str:
+    """The held-out measures of e2e reports (`runs[name]` = report.json), grouped by seed."""
+    values = {name: {p: value(report, p) for _, p, _ in COLUMNS} for name, report in runs.items()}
+    return grouped_table(values, COLUMNS)
 
 
 CURVES = (("ppo/reward_mean", "policy-RM reward of the rollouts"),

@@ -263,3 +263,28 @@ def test_connectors_lower_case_the_sentence_they_join():
     joined = [re.search(re.escape(c) + r" (\w)", p.question) for p in A.generate(300, "2-6", 3, "train")
               for c in A.CONNECTORS]
     assert any(joined) and all(m.group(1).islower() for m in joined if m)   # "After that, by the end ..."
+
+
+def test_compare_arithmetic_groups_seeds_against_the_start(tmp_path):
+    from applications import compare_arithmetic
+
+    for name, accuracy in (("grpo-seed1", 0.40), ("grpo-seed2", 0.50), ("rloo-seed1", 0.35)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "arithmetic_eval.json").write_text(json.dumps({"accuracy": accuracy, "answered": 1.0}))
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i, "ppo/reward_mean": 0.1 * i, "ppo/samples_per_s": 10.0, "memory/peak_gib": 2.0})
+            + "\n" for i in range(1, 11)))
+    (tmp_path / "start.json").write_text(json.dumps({"accuracy": 0.30}))
+    out, png = tmp_path / "table.md", tmp_path / "curves.png"
+    runs = [str(tmp_path / n) for n in ("grpo-seed1", "grpo-seed2", "rloo-seed1", "ppo-seed1")]  # ppo: not done
+    assert compare_arithmetic.main([*runs, "--start", str(tmp_path / "start.json"), "--out", str(out),
+                                    "--plot", str(png)]) == 0
+    lines = out.read_text().splitlines()
+    assert lines[2].startswith("| start (before step 3) | 30.0 |")
+    assert "| grpo-seed1 | 40.0 | +10.0 | 1.000 | 0.100 | 1.000 | 10 | 10.0 | 2.0 |" in lines
+    mean_row = next(line for line in lines if "mean ± sd of 2" in line)
+    assert "45.0 ± 7.1" in mean_row and "+15.0 ± 7.1" in mean_row and "10.0 ± 0.0" in mean_row
+    assert sum("mean ± sd" in line for line in lines) == 1 and not any("ppo" in line for line in lines)
+    assert png.stat().st_size > 1000
+    assert compare_arithmetic.main([str(tmp_path / "ppo-seed1")]) == 2

@@ -482,7 +482,7 @@ def _eval(args) -> None:
     rows = read_eval_rows(args.data, args.limit)
     model, tokenizer = load_model(args.model, device)
     _, records = evaluate(model, tokenizer, rows, chat_template=args.chat_template,
-                                 max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     for r in records:
         print(f"{r['index']}\t{'ok' if r['correct'] else 'wrong'}\treference={r['reference']}\t"
               f"prediction={r['prediction']}")
