@@ -20,3 +20,7 @@ launch() {  # launch SCRIPT ARGS... through the deepspeed launcher (multi-node w
   [ -n "${MASTER_PORT:-}" ] && launcher+=(--master_port "$MASTER_PORT")
   (cd "$ROOT" && "${launcher[@]}" "$@")
 }
+failed=0
+wait_below() {  # wait_below N: block until fewer than N background jobs run; each failed one adds 1 to $failed
+  while [ "$(jobs -rp | wc -l)" -ge "$1" ]; do wait -n || failed=$((failed + 1)); done
+}

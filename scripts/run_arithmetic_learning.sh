@@ -90,17 +90,17 @@ one_run() {  # one_run ALGO SEED PORT
 }
 read -r -a algos <<< "$ALGOS"
 read -r -a seeds <<< "$SEEDS"
-runs=() n=0 failed=0
+runs=() n=0
 for seed in "${seeds[@]}"; do
   for algo in "${algos[@]}"; do
     algo_flags "$algo" > /dev/null
     runs+=("$OUT/runs/$algo-seed$seed")
-    while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n || failed=$((failed + 1)); done
+    wait_below "$PARALLEL"
     n=$((n + 1))
     one_run "$algo" "$seed" $((PORT_BASE + n)) &
   done
 done
-while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n || failed=$((failed + 1)); done
+wait_below 1
 [ "$failed" = 0 ] || echo "$failed run(s) failed: see OUT/runs/*/train.log and eval.log" >&2
 
 # 4. the table and the curves

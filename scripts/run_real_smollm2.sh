@@ -14,7 +14,7 @@
 #   SEEDS="1234 1235 1236"  SWEEP="kl0.05|--kl_ctl 0.05;lr1e-5|--actor_learning_rate 1e-5"
 #   PARALLEL=1  OUT=output/real-smollm2  DEPLOYMENT=single_gpu (cpu: a few steps each, a smoke test)
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$(dirname "$0")/common.sh"
 : "${MODEL:?set MODEL to a SmolLM2-135M-Instruct folder}"
 : "${DATA:?set DATA to HH-RLHF harmless-base preference pairs (a jsonl[.gz] file or folder)}"
 OUT=${OUT:-$ROOT/output/real-smollm2}
@@ -44,9 +44,9 @@ step3_run() {  # step3_run FOLDER SEED [STEP-3 FLAGS]: step 3, the held-out eval
   reuse "$1"
   e2e --output-dir "$1" --seed "$2" --step 3 ${3:+--step3-args "$3"} > "$1.log" 2>&1
 }
-runs=() failed=0
+runs=()
 queue() {
-  while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n || failed=$((failed + 1)); done
+  wait_below "$PARALLEL"
   runs+=("$1")
   step3_run "$@" &
 }
@@ -56,6 +56,6 @@ for point in "${points[@]}"; do
   name=${point%%|*}; flags=${point#*|}
   queue "$OUT/$name-seed$first" "$first" "$flags"
 done
-while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n || failed=$((failed + 1)); done
+wait_below 1
 [ "$failed" = 0 ] || echo "$failed step-3 run(s) failed: see OUT/<run>.log" >&2
 python3 "$ROOT/applications/compare_runs.py" "${runs[@]}" --out "$OUT/runs.md" --plot "$OUT/runs.png"
