@@ -381,8 +381,7 @@ def evaluate(model, tokenizer, rows: Sequence[dict], *, chat_template: str = "au
                 "prediction": extract_answer(c), "correct": is_correct(c, r["reference"]),
                 "difficulty": r.get("difficulty")}
                for i, (r, c) in enumerate(zip(rows, completions))]
-    accuracy = sum(r["correct"] for r in records) / len(records)
-    return accuracy, records
+    return summarize(records)["accuracy"], records
 
 
 def summarize(records: Sequence[dict]) -> dict:
