@@ -13,6 +13,7 @@
 # so running the script again continues where it stopped; each run logs to OUT/<run>.log.
 #   SEEDS="1234 1235 1236"  SWEEP="kl0.05|--kl_ctl 0.05;lr1e-5|--actor_learning_rate 1e-5"
 #   PARALLEL=1  OUT=output/real-smollm2  DEPLOYMENT=single_gpu (cpu: a few steps each, a smoke test)
+#   STEP2_ARGS="--learning_rate 1e-4"  (both reward models)  STEP3_ARGS="--actor_learning_rate 1e-5"  (every step-3 run)
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 : "${MODEL:?set MODEL to a SmolLM2-135M-Instruct folder}"
@@ -20,6 +21,8 @@ source "$(dirname "$0")/common.sh"
 OUT=${OUT:-$ROOT/output/real-smollm2}
 SEEDS=${SEEDS:-1234 1235 1236}
 SWEEP=${SWEEP:-}
+STEP2_ARGS=${STEP2_ARGS:-}
+STEP3_ARGS=${STEP3_ARGS:-}
 DEPLOYMENT=${DEPLOYMENT:-single_gpu}
 PARALLEL=${PARALLEL:-1}
 read -r -a seeds <<< "$SEEDS"
@@ -39,10 +42,11 @@ reuse() {  # a run folder sharing the first run's data, SFT model and both rewar
 }
 
 # steps 1-2 once (the first seed's), then every step-3 run (seeds, sweep points), PARALLEL at once
-e2e --output-dir "$OUT/seed$first" --seed "$first" --step 1 2 --no-report
+e2e --output-dir "$OUT/seed$first" --seed "$first" --step 1 2 --no-report ${STEP2_ARGS:+--step2-args "$STEP2_ARGS"}
 step3_run() {  # step3_run FOLDER SEED [STEP-3 FLAGS]: step 3, the held-out evaluation, the report
   reuse "$1"
-  e2e --output-dir "$1" --seed "$2" --step 3 ${3:+--step3-args "$3"} > "$1.log" 2>&1
+  local flags="$STEP3_ARGS${3:+ $3}"
+  e2e --output-dir "$1" --seed "$2" --step 3 ${flags:+--step3-args "$flags"} > "$1.log" 2>&1
 }
 runs=()
 queue() {

@@ -9,8 +9,8 @@ fetches and frees every layer on every decode step; here gathering is explicit i
   A parameter shared between modules (a tied head) belongs to exactly one group; LoRA
   parameters of a peft-wrapped model travel with the block that holds them.
 - `GatherScheduler`: one per process (`get_scheduler()`), shared by the actor,
-  reference, critic and reward. It arbitrates live gathers under a byte budget and
-  records bytes and seconds of every gather (`stats`, `pop_stats()`).
+  reference, critic and reward. It records bytes and seconds of every gather and the
+  peak of the gathered bytes alive at once (`stats`, `pop_stats()`).
 - `full` mode: `build_replica` makes a plain HF module once (no ZeRO hooks, eval,
   requires_grad False); `fill_replica` gathers group by group and copies (with dtype
   cast, LoRA merged) into the replica's existing tensors in place, releasing each group
@@ -20,23 +20,13 @@ fetches and frees every layer on every decode step; here gathering is explicit i
   pre-hooks fill the slot chunk by chunk while the next chunk's gather is in flight.
 - `gathered(module)`: a one-off full gather of a live ZeRO-3 module for a forward pass.
 
-Budget policy (`GatherScheduler`): a gather of `n` bytes is admitted when the live
-gathered bytes plus `n` fit the budget, or when nothing else is live (a gather larger
-than the whole budget runs alone; it is logged once). Otherwise the scheduler first
-forces the release of preemptible leases held by the calling thread (the layered
-prefetch registers one: it waits for its collective and re-partitions), then waits for
-other threads' leases to end. A non-preemptible lease of the calling thread that keeps
-a new gather out is a nesting error (`GatherBudgetError`), since waiting would
-deadlock. Prefetches use `try_lease` and are simply skipped when they do not fit. The
-default budget is unlimited (None); every lease is still recorded.
-
 Scoring path (reference / critic / reward): by default these stay with ZeRO's own hooks,
 one per transformer block (`dschat.engine.zero.use_block_granularity`). Their one forward
 per experience batch fetches every layer once, the same bytes as a full gather, with
 ZeRO's prefetch overlapping it and no extra copy in memory; the
 actor's log-prob pass reuses the actor's replica instead (`HybridActor.log_probs`).
 `gathered(module)` is there for a frozen model small enough to hold whole: one coalesced
-gather under the budget, then forwards without per-module fetches.
+gather, then forwards without per-module fetches.
 
 Invariant after every function here returns: no ZeRO-3 parameter that this module
 gathered is left AVAILABLE or INFLIGHT, so ZeRO's own hooks keep working for training.
@@ -48,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -166,17 +155,12 @@ class GatherPlan:
 
 # ---------------------------------------------------------------------- scheduler
 
-class GatherBudgetError(RuntimeError):
-    """A gather cannot be admitted without deadlocking the calling thread."""
-
-
 class Lease:
-    """Permission to hold `nbytes` of gathered parameters; release it when they are freed."""
+    """`nbytes` of gathered parameters alive until released (accounting only: every gather
+    is admitted; the scheduler records the peak of what is alive at once)."""
 
-    def __init__(self, scheduler: "GatherScheduler", nbytes: int, owner: str,
-                 preempt: Optional[Callable[[], None]]):
-        self.scheduler, self.nbytes, self.owner, self.preempt = scheduler, nbytes, owner, preempt
-        self.thread = threading.get_ident()
+    def __init__(self, scheduler: "GatherScheduler", nbytes: int, owner: str):
+        self.scheduler, self.nbytes, self.owner = scheduler, nbytes, owner
         self.active = True
 
     def release(self) -> None:
@@ -190,23 +174,17 @@ class Lease:
 
 
 class GatherScheduler:
-    """Arbitrates and accounts parameter gathers of every engine of one process.
+    """Accounts the parameter gathers of every engine of one process: bytes, seconds, calls,
+    copy seconds, and the peak of the gathered bytes alive at once (totals, per owner, and
+    per window between `pop_stats` calls)."""
 
-    See the module docstring for the budget policy. `budget_bytes=None` is unlimited.
-    """
-
-    def __init__(self, budget_bytes: Optional[int] = None, *, wait_timeout_s: float = 600.0):
-        self.budget_bytes = budget_bytes
-        self.wait_timeout_s = wait_timeout_s
-        self._cond = threading.Condition(threading.RLock())
+    def __init__(self):
         self._live: list[Lease] = []
-        self._oversize_logged: set[str] = set()
         self._totals = self._zero_totals()
         self._window = self._zero_totals()
         self._last: dict = {}
         self._by_owner: dict[str, dict] = {}
 
-    # -- admission
     @staticmethod
     def _zero_totals() -> dict:
         return {"bytes": 0, "seconds": 0.0, "calls": 0, "copy_seconds": 0.0, "peak_live_bytes": 0}
@@ -215,94 +193,48 @@ class GatherScheduler:
     def live_bytes(self) -> int:
         return sum(lease.nbytes for lease in self._live)
 
-    def _fits(self, nbytes: int) -> bool:
+    def lease(self, nbytes: int, owner: str) -> Lease:
+        """Record `nbytes` gathered for `owner` as alive until the lease is released; use as a
+        context manager."""
+        lease = Lease(self, int(nbytes), owner)
+        self._live.append(lease)
         live = self.live_bytes
-        if self.budget_bytes is None or live + nbytes <= self.budget_bytes:
-            return True
-        return live == 0
-
-    def _admit(self, nbytes: int, owner: str, preempt, blocking: bool) -> Optional[Lease]:
-        me = threading.get_ident()
-        deadline = time.monotonic() + self.wait_timeout_s
-        with self._cond:
-            while not self._fits(nbytes):
-                victims = [lease for lease in self._live if lease.preempt is not None and lease.thread == me]
-                if victims:
-                    victim = victims[0]
-                    victim.preempt()        # must free its tensors and release the lease
-                    if victim.active:       # a misbehaving callback: drop it ourselves
-                        self._release(victim)
-                    continue
-                others = [lease for lease in self._live if lease.thread != me]
-                if not blocking:
-                    return None
-                if not others:
-                    held = ", ".join(f"{lease.owner}={lease.nbytes}" for lease in self._live)
-                    raise GatherBudgetError(
-                        f"gather of {nbytes} bytes for {owner!r} does not fit the budget of "
-                        f"{self.budget_bytes} bytes while this thread holds [{held}]")
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(timeout=left):
-                    raise GatherBudgetError(f"gather for {owner!r} waited {self.wait_timeout_s}s for the budget")
-            if self.budget_bytes is not None and nbytes > self.budget_bytes and owner not in self._oversize_logged:
-                self._oversize_logged.add(owner)
-                if is_rank_0():
-                    logger.info(f"gather of {nbytes} bytes for {owner!r} exceeds the budget of "
-                                f"{self.budget_bytes} bytes; it runs alone")
-            lease = Lease(self, nbytes, owner, preempt)
-            self._live.append(lease)
-            live = self.live_bytes
-            for bucket in (self._totals, self._window):
-                bucket["peak_live_bytes"] = max(bucket["peak_live_bytes"], live)
-            return lease
-
-    def lease(self, nbytes: int, owner: str, *, preempt: Optional[Callable[[], None]] = None) -> Lease:
-        """Admit a gather of `nbytes` (blocking per the policy); use as a context manager."""
-        return self._admit(int(nbytes), owner, preempt, blocking=True)
-
-    def try_lease(self, nbytes: int, owner: str, *, preempt: Optional[Callable[[], None]] = None
-                  ) -> Optional[Lease]:
-        """Admit without waiting or forcing anything but own preemptible leases; None if over budget."""
-        return self._admit(int(nbytes), owner, preempt, blocking=False)
+        for bucket in (self._totals, self._window):
+            bucket["peak_live_bytes"] = max(bucket["peak_live_bytes"], live)
+        return lease
 
     def _release(self, lease: Lease) -> None:
-        with self._cond:
-            if lease.active:
-                lease.active = False
-                self._live.remove(lease)
-                self._cond.notify_all()
+        if lease.active:
+            lease.active = False
+            self._live.remove(lease)
 
     # -- accounting
     def record(self, owner: str, *, nbytes: int, seconds: float, calls: int = 1,
                copy_seconds: float = 0.0) -> None:
         """Account one gather: `nbytes` gathered (full size), `seconds` spent waiting for it."""
-        with self._cond:
-            for bucket in (self._totals, self._window):
-                bucket["bytes"] += int(nbytes)
-                bucket["seconds"] += float(seconds)
-                bucket["calls"] += int(calls)
-                bucket["copy_seconds"] += float(copy_seconds)
-            mine = self._by_owner.setdefault(owner, {"bytes": 0, "seconds": 0.0, "calls": 0})
-            mine["bytes"] += int(nbytes)
-            mine["seconds"] += float(seconds)
-            mine["calls"] += int(calls)
-            self._last = {"owner": owner, "bytes": int(nbytes), "seconds": float(seconds),
-                          "copy_seconds": float(copy_seconds)}
+        for bucket in (self._totals, self._window):
+            bucket["bytes"] += int(nbytes)
+            bucket["seconds"] += float(seconds)
+            bucket["calls"] += int(calls)
+            bucket["copy_seconds"] += float(copy_seconds)
+        mine = self._by_owner.setdefault(owner, {"bytes": 0, "seconds": 0.0, "calls": 0})
+        mine["bytes"] += int(nbytes)
+        mine["seconds"] += float(seconds)
+        mine["calls"] += int(calls)
+        self._last = {"owner": owner, "bytes": int(nbytes), "seconds": float(seconds),
+                      "copy_seconds": float(copy_seconds)}
 
     @property
     def stats(self) -> dict:
         """Totals since construction, the last call, per-owner totals and live bytes."""
-        with self._cond:
-            return {"bytes_total": self._totals["bytes"], "seconds_total": self._totals["seconds"],
-                    "calls_total": self._totals["calls"], "copy_seconds_total": self._totals["copy_seconds"],
-                    "peak_live_bytes": self._totals["peak_live_bytes"], "live_bytes": self.live_bytes,
-                    "budget_bytes": self.budget_bytes, "last": dict(self._last),
-                    "by_owner": copy.deepcopy(self._by_owner)}
+        return {"bytes_total": self._totals["bytes"], "seconds_total": self._totals["seconds"],
+                "calls_total": self._totals["calls"], "copy_seconds_total": self._totals["copy_seconds"],
+                "peak_live_bytes": self._totals["peak_live_bytes"], "live_bytes": self.live_bytes,
+                "last": dict(self._last), "by_owner": copy.deepcopy(self._by_owner)}
 
     def pop_stats(self) -> dict:
         """Metrics since the previous pop (one PPO step): gather/bytes, /seconds, /calls, ..."""
-        with self._cond:
-            w, self._window = self._window, self._zero_totals()
+        w, self._window = self._window, self._zero_totals()
         return {"gather/bytes": w["bytes"], "gather/seconds": w["seconds"], "gather/calls": w["calls"],
                 "gather/copy_seconds": w["copy_seconds"], "gather/peak_live_bytes": w["peak_live_bytes"]}
 
@@ -315,23 +247,14 @@ class GatherScheduler:
 
 
 _SCHEDULER: Optional[GatherScheduler] = None
-_SCHEDULER_LOCK = threading.Lock()
 
 
 def get_scheduler() -> GatherScheduler:
-    """The process-wide scheduler (created on first use, unlimited budget)."""
+    """The process-wide scheduler (created on first use)."""
     global _SCHEDULER
-    with _SCHEDULER_LOCK:
-        if _SCHEDULER is None:
-            _SCHEDULER = GatherScheduler()
-        return _SCHEDULER
-
-
-def configure_scheduler(budget_bytes: Optional[int]) -> GatherScheduler:
-    """Set the process-wide scheduler's byte budget (None: unlimited) and return it."""
-    sched = get_scheduler()
-    sched.budget_bytes = budget_bytes
-    return sched
+    if _SCHEDULER is None:
+        _SCHEDULER = GatherScheduler()
+    return _SCHEDULER
 
 
 # -------------------------------------------------------------- gather primitive
@@ -752,22 +675,20 @@ def _gather_copy(groups: list[GatherGroup], binding: ReplicaBinding, scheduler: 
                  owner: str) -> None:
     """Gather each group, copy it into the replica, release it; one group ahead in flight.
 
-    The next group's all-gather is started before this group's copy when the budget admits
-    both (`try_lease`), so the collective overlaps the copy instead of waiting behind it.
+    The next group's all-gather is started before this group's copy, so the collective
+    overlaps the copy instead of waiting behind it.
     The collectives are issued group by group in the same order on every rank either way;
     only when a group's gather starts relative to the previous copy can differ.
     Recorded seconds are the time the caller waited on gathers plus the releases.
     """
-    def start(group: GatherGroup, prefetch: bool):
-        """(lease, PendingGather) of the group's gather, or None when a prefetch does not fit."""
+    def start(group: GatherGroup):
+        """(lease, PendingGather) of the group's gather."""
         params, items = group.tensors(), binding.copies[group.name]
         plan = _direct_plan(params, items, binding.plans, group.name)
         nbytes = _fill_nbytes(params, plan)
         lease = None
         if nbytes:
-            lease = scheduler.try_lease(nbytes, owner) if prefetch else scheduler.lease(nbytes, owner)
-            if lease is None:
-                return None
+            lease = scheduler.lease(nbytes, owner)
         try:
             return lease, _fill_gather(params, plan)
         except BaseException:
@@ -787,13 +708,13 @@ def _gather_copy(groups: list[GatherGroup], binding: ReplicaBinding, scheduler: 
     try:
         for i, group in enumerate(groups):
             t0 = time.perf_counter()
-            current, ahead = ahead or start(group, prefetch=False), None
+            current, ahead = ahead or start(group), None
             pending = current[1]
             try:
                 pending.wait()
                 t1 = time.perf_counter()
                 if i + 1 < len(groups):
-                    ahead = start(groups[i + 1], prefetch=True)
+                    ahead = start(groups[i + 1])
                 t2 = time.perf_counter()
                 _copy_group(binding.copies[group.name], pending)
                 t3 = time.perf_counter()
@@ -936,19 +857,14 @@ class LayeredReplica:
     def _chunk_params(self, chunk: int) -> list[torch.Tensor]:
         return [p for g in self.chunks[chunk] for p in g.tensors()]
 
-    def _start(self, chunk: int, *, prefetch: bool) -> Optional[tuple]:
+    def _start(self, chunk: int) -> tuple:
         params = self._chunk_params(chunk)
         items = [item for g in self.chunks[chunk] for item in self.binding.copies[g.name]]
         plan = _direct_plan(params, items, self.binding.plans, f"chunk.{chunk}")
         nbytes = _fill_nbytes(params, plan)
         lease = None
         if nbytes:
-            if prefetch:
-                lease = self.scheduler.try_lease(nbytes, self.owner, preempt=self._drain)
-                if lease is None:
-                    return None         # over budget: no prefetch, load synchronously later
-            else:
-                lease = self.scheduler.lease(nbytes, self.owner)
+            lease = self.scheduler.lease(nbytes, self.owner)
         return chunk, _fill_gather(params, plan), lease, time.perf_counter()
 
     def _load(self, chunk: int) -> None:
@@ -958,7 +874,7 @@ class LayeredReplica:
             self._finish(pending)
             pending = None
         if pending is None:
-            pending = self._start(chunk, prefetch=False)
+            pending = self._start(chunk)
         _, gather, lease, started = pending
         t0 = time.perf_counter()
         try:
@@ -980,7 +896,7 @@ class LayeredReplica:
             self.scheduler.record(self.owner, nbytes=gather.nbytes, seconds=(t1 - t0) + (t3 - t2),
                                   copy_seconds=t2 - t1)
         if len(self.chunks) > 1:
-            self._pending = self._start((chunk + 1) % len(self.chunks), prefetch=True)
+            self._pending = self._start((chunk + 1) % len(self.chunks))
 
     @staticmethod
     def _finish(pending) -> None:
