@@ -79,10 +79,6 @@ def main():
                 del SHAPES[name]
     dtype = torch.bfloat16
     rows = []
-    # the switches a variant sets; each shape's sweep puts them back as they were
-    knobs = ("ATTN_SPLITS", "ATTN_BLOCK_N", "ATTN_WARPS", "ATTN_STAGES", "ATTN_INLINE_COMBINE", "ATTN_DOT",
-             "ATTN_PV_LOW")
-    saved = {name: getattr(dt, name) for name in knobs}
     for (name, (B, H, D, L)), pos in itertools.product(SHAPES.items(), args.pos):
         torch.manual_seed(0)
         q = torch.randn(B, H, 1, D, device=dev, dtype=dtype)
@@ -136,6 +132,7 @@ def main():
             variants = [v for v in variants if v[0].startswith("bmm") or any(f in v[0] for f in args.filter)]
         for label, v in variants:
             try:
+                opts = None
                 if v["impl"] == "bmm":
                     bb = bias[:, :, None, :Lb].masked_fill(torch.arange(Lb, device=dev) > pos, -1e4)
 
@@ -144,11 +141,9 @@ def main():
                         kv_i.index_copy_(2, p, new.unsqueeze(2))
                         return decode._attend_decode(q, kv_i, Lb, bb, scale, "bmm")
                 else:
-                    dt.ATTN_SPLITS, dt.ATTN_BLOCK_N = v["splits"], v["bn"]
-                    dt.ATTN_WARPS, dt.ATTN_STAGES = v["warps"], v["stages"]
-                    dt.ATTN_INLINE_COMBINE = v.get("inline", False)
-                    dt.ATTN_DOT = v.get("dot", False)
-                    dt.ATTN_PV_LOW = v.get("pvlow", False)
+                    opts = dt.KernelOptions(attn_splits=v["splits"], attn_block_n=v["bn"], attn_warps=v["warps"],
+                                            attn_stages=v["stages"], attn_inline_combine=v.get("inline", False),
+                                            attn_dot=v.get("dot", False), attn_pv_low=v.get("pvlow", False))
                     if v["fused"]:
                         def fn():
                             return dt.decode_attention(q, next(caches), bias, p, scale, new_kv=new)
@@ -157,14 +152,13 @@ def main():
                             kv_i = next(caches)
                             kv_i.index_copy_(2, p, new.unsqueeze(2))
                             return dt.decode_attention(q, kv_i, bias, p, scale)
-                err = (fn().float() - ref).abs().max().item()
-                us = graph_time_us(fn)
+                with dt.use_options(opts):        # in force while the graph is captured
+                    err = (fn().float() - ref).abs().max().item()
+                    us = graph_time_us(fn)
                 rows.append(dict(shape=name, pos=pos, variant=label, us=us, tb_s=kv_bytes / us / 1e6, err=err))
             except Exception as exc:  # a knob combination Triton cannot compile
                 rows.append(dict(shape=name, pos=pos, variant=label, us=float("nan"), tb_s=0.0,
                                  err=float("nan"), error=f"{type(exc).__name__}: {str(exc)[:120]}"))
-        for name, value in saved.items():
-            setattr(dt, name, value)
         best = sorted((r for r in rows if r["shape"] == name and r["pos"] == pos and r["us"] == r["us"]),
                       key=lambda r: r["us"])[:8]
         print(f"{name} pos {pos}: " + "; ".join(f"{r['variant']} {r['us']:.2f}us" for r in best), flush=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -184,89 +185,82 @@ def hf_run(model, ids, mask, T, keep_logits):
 
 
 # the module switches a variant's flags may set; fast_run puts them back after each run
-_KNOBS = [(decode, "DECODE_SDPA_BACKENDS")] + [(decode.decode_triton, name) for name in (
-    "ATTN_SPLITS", "ATTN_BLOCK_N", "FUSE_KV_WRITE", "ATTN_INLINE_COMBINE", "DECODE_LINEAR", "TRITON_ARGMAX",
-    "ATTN_DOT", "PDL", "_TUNE_MARGIN", "PDL_PREFETCH", "PDL_PREFETCH_ATTN", "ATTN_PAD_HEAD_DIM", "FUSE_GATED",
-    "ATTN_WARPS",
-    "ATTN_PV_LOW", "ATTN_SKIP_PAD", "LINEAR_TMA")]
+_KNOBS = [(decode, "DECODE_SDPA_BACKENDS")]      # module switches outside the kernel options
 
 
 @contextlib.contextmanager
 def variant(numerics: str):
-    """Set the decode module switches a numerics string names (restored on exit); yields
+    """The kernel options (and decode switches) a numerics string names, in force inside
+    the block (restored on exit); yields
     (numerics, attention impl or None, flags).
 
     e.g. fast, fast:sdpa, fast:sdpa:notriton, fast:sdpa:cudnn, fast:triton:s8:bn64, hf;
     "fusedkv" / "nofusedkv": the Triton attention writes the step's K/V itself or not
-    (decode_triton.FUSE_KV_WRITE); "inline": no combine kernel; "tlin": Triton decode linears
+    (KernelOptions.fuse_kv_write); "inline": no combine kernel; "tlin": Triton decode linears
     (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
-    "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": decode_triton.ATTN_DOT;
-    "pdl0" .. "pdl3": decode_triton.PDL (programmatic dependent launch); "pf<KiB>" /
+    "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": attn_dot;
+    "pdl0" .. "pdl3": pdl (programmatic dependent launch); "pf<KiB>" /
     "pfl<KiB>" / "pfa<KiB>": mode 3's L2 prefetch per program, linears and attention /
-    linears (decode_triton.PDL_PREFETCH) / attention (PDL_PREFETCH_ATTN); "padhd": the
-    Triton attention at head dims that are not a power of two (ATTN_PAD_HEAD_DIM); "m100": a
+    linears (pdl_prefetch) / attention (pdl_prefetch_attn); "padhd": the
+    Triton attention at head dims that are not a power of two (attn_pad_head_dim); "m100": a
     Triton linear is picked whenever it times faster than cuBLAS (default margin 3%);
-    "nogated": LLaMA's gate and up as two linears + SiLU + product (decode_triton.FUSE_GATED off);
-    "aw<N>": the decode attention's warps (ATTN_WARPS); "pvlow" / "pvtf32": with the tensor-core
-    attention, p.V with p rounded to the cache dtype or in TF32 (ATTN_PV_LOW); "skippad" /
+    "nogated": LLaMA's gate and up as two linears + SiLU + product (fuse_gated off);
+    "aw<N>": the decode attention's warps (attn_warps); "pvlow" / "pvtf32": with the tensor-core
+    attention, p.V with p rounded to the cache dtype or in TF32 (attn_pv_low); "skippad" /
     "noskippad": the Triton attention skips each row's left padding or reads every slot
-    (ATTN_SKIP_PAD); "tma" / "notma": the TMA linears raced in the per-shape choice or not
-    (LINEAR_TMA)
+    (attn_skip_pad); "tma" / "notma": the TMA linears raced in the per-shape choice or not
+    (linear_tma). Every kernel switch is a field of decode_triton.KernelOptions, in force
+    inside the block (FastGenerators built there keep them).
     """
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
     dtr = decode.decode_triton
     saved = {(mod, name): getattr(mod, name) for mod, name in _KNOBS}
+    o = {}                                   # KernelOptions fields the flags change
     for f in flags:
         if f.startswith("s") and f[1:].isdigit():
-            dtr.ATTN_SPLITS = int(f[1:])
+            o["attn_splits"] = int(f[1:])
         if f.startswith("bn") and f[2:].isdigit():
-            dtr.ATTN_BLOCK_N = int(f[2:])
+            o["attn_block_n"] = int(f[2:])
         if f == "cudnn":
             decode.DECODE_SDPA_BACKENDS = None
-        if f == "fusedkv":
-            dtr.FUSE_KV_WRITE = True
-        if f == "nofusedkv":
-            dtr.FUSE_KV_WRITE = False
+        if f in ("fusedkv", "nofusedkv"):
+            o["fuse_kv_write"] = f == "fusedkv"
         if f == "inline":           # split programs combine their partials (no combine kernel)
-            dtr.ATTN_INLINE_COMBINE = True
-        if f == "tlin":             # the decode linears in decode_triton.linear (fixed rule)
-            dtr.DECODE_LINEAR = True
-        if f == "cublas":
-            dtr.DECODE_LINEAR = False
+            o["attn_inline_combine"] = True
+        if f in ("tlin", "cublas"):  # the decode linears in decode_triton.linear (fixed rule) / cuBLAS
+            o["decode_linear"] = f == "tlin"
         if f == "torchargmax":
-            dtr.TRITON_ARGMAX = False
+            o["triton_argmax"] = False
         if f in ("dot", "nodot"):   # tensor-core dots in the Triton decode attention or not
-            dtr.ATTN_DOT = f == "dot"
+            o["attn_dot"] = f == "dot"
         if f == "padhd":
-            dtr.ATTN_PAD_HEAD_DIM = True
+            o["attn_pad_head_dim"] = True
         if f == "nogated":
-            dtr.FUSE_GATED = False
+            o["fuse_gated"] = False
         if f in ("pvlow", "pvtf32"):
-            dtr.ATTN_PV_LOW = f == "pvlow"
+            o["attn_pv_low"] = f == "pvlow"
         if f in ("skippad", "noskippad"):
-            dtr.ATTN_SKIP_PAD = f == "skippad"
-        if f in ("tma", "notma"):   # the launch key holds LINEAR_TMA: the per-shape choice is made again
-            dtr.LINEAR_TMA = f == "tma"
+            o["attn_skip_pad"] = f == "skippad"
+        if f in ("tma", "notma"):   # part of the race's cache key: the per-shape choice is made again
+            o["linear_tma"] = f == "tma"
         if f.startswith("aw") and f[2:].isdigit():
-            dtr.ATTN_WARPS = int(f[2:])
+            o["attn_warps"] = int(f[2:])
         if f in ("pdl0", "pdl1", "pdl2", "pdl3"):
-            dtr.PDL = int(f[3])
-        for pre, names in (("pf", ("PDL_PREFETCH", "PDL_PREFETCH_ATTN")), ("pfl", ("PDL_PREFETCH",)),
-                           ("pfa", ("PDL_PREFETCH_ATTN",))):
+            o["pdl"] = int(f[3])
+        for pre, names in (("pf", ("pdl_prefetch", "pdl_prefetch_attn")), ("pfl", ("pdl_prefetch",)),
+                           ("pfa", ("pdl_prefetch_attn",))):
             if f.startswith(pre) and f[len(pre):].isdigit():
                 for name in names:
-                    setattr(dtr, name, int(f[len(pre):]) * 1024)
-        if f.startswith("m") and f[1:].isdigit():   # the per-shape choices are made again
-            dtr._TUNE_MARGIN = int(f[1:]) / 100
-            dtr._CHOICE.clear()
+                    o[name] = int(f[len(pre):]) * 1024
+        if f.startswith("m") and f[1:].isdigit():   # part of the race's cache key: chosen again
+            o["linear_tune_margin"] = int(f[1:]) / 100
     try:
-        yield numerics, attn, flags
+        with dtr.use_options(dataclasses.replace(dtr.options(), **o)):
+            yield numerics, attn, flags
     finally:
         for (mod, name), value in saved.items():
             setattr(mod, name, value)
-        if any(f.startswith("m") and f[1:].isdigit() for f in flags):
-            dtr._CHOICE.clear()
 
 
 def fast_run(model, ids, mask, T, numerics, hf_logits=None, sample=False):

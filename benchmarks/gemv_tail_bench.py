@@ -116,7 +116,7 @@ def blocked_parts(x, wb, splits: int, stages=None, warps: int = 4):
     line = 128 // wb.element_size()
     _blocked_part_kernel[(nt, splits)](
         x, wb, parts, M, N, K, x.stride(0), chunk, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
-        BLOCK_K=bk, PDL=pdl, PF=(min(dt.PDL_PREFETCH // wb.element_size(), chunk * bn) if pdl == 3 else 0),
+        BLOCK_K=bk, PDL=pdl, PF=(min(dt.options().pdl_prefetch // wb.element_size(), chunk * bn) if pdl == 3 else 0),
         LINE=line, num_warps=warps, **({"num_stages": stages} if stages else {}), **dt._pdl_launch(pdl))
     return parts
 

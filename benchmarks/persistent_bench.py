@@ -171,7 +171,7 @@ class Chain:
 
     def _args(self, persistent: bool, layer=0, j=0, warps=4, pf=None):
         pdl = dt._pdl_mode(self.x.device)
-        pf = (dt.PDL_PREFETCH if pdl == 3 else 0) if pf is None else pf
+        pf = (dt.options().pdl_prefetch if pdl == 3 else 0) if pf is None else pf
         bq, bd, b1, b2 = self.bns
         return ((self.h, self.wq, self.wd, self.w1, self.w2, self.hq, self.hd, self.h1, self.cnt,
                  layer, j, self.n_layers, self.M, self.NQ, self.D, self.NF),

@@ -108,13 +108,16 @@ def test_decode_bench_variant_sets_and_restores_switches():
     spec.loader.exec_module(bench)
     dtr = bench.decode.decode_triton
     before = {name: getattr(mod, name) for mod, name in bench._KNOBS}
-    with bench.variant("fast:triton:s2:bn64:aw1:cublas:pdl1:pfa16:nogated") as (numerics, attn, flags):
+    defaults = dtr.options()
+    with bench.variant("fast:triton:s2:bn64:aw1:cublas:pdl1:pfa16:nogated:cudnn") as (numerics, attn, flags):
+        o = dtr.options()
         assert (numerics, attn) == ("fast", "triton")
-        assert (dtr.ATTN_SPLITS, dtr.ATTN_BLOCK_N, dtr.ATTN_WARPS) == (2, 64, 1)
-        assert (dtr.DECODE_LINEAR, dtr.PDL, dtr.PDL_PREFETCH_ATTN, dtr.FUSE_GATED) == (False, 1, 16 * 1024, False)
-    assert {name: getattr(mod, name) for mod, name in bench._KNOBS} == before
+        assert (o.attn_splits, o.attn_block_n, o.attn_warps) == (2, 64, 1)
+        assert (o.decode_linear, o.pdl, o.pdl_prefetch_attn, o.fuse_gated) == (False, 1, 16 * 1024, False)
+        assert o.pdl_prefetch == defaults.pdl_prefetch and bench.decode.DECODE_SDPA_BACKENDS is None
+    assert {name: getattr(mod, name) for mod, name in bench._KNOBS} == before and dtr.options() == defaults
     with pytest.raises(RuntimeError):
         with bench.variant("fast:s8:aw2"):
-            assert dtr.ATTN_SPLITS == 8
+            assert dtr.options().attn_splits == 8
             raise RuntimeError("a run that fails")
-    assert {name: getattr(mod, name) for mod, name in bench._KNOBS} == before
+    assert {name: getattr(mod, name) for mod, name in bench._KNOBS} == before and dtr.options() == defaults

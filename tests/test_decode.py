@@ -279,15 +279,15 @@ def test_supported_configs():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pdl", [None, 0, 1, 2])   # None: 3 on compute capability 9+
-def test_cuda_graph_matches_eager_and_hf(pdl, monkeypatch):
-    from dschat.engine import decode_triton as dt
-    monkeypatch.setattr(dt, "PDL", pdl)          # programmatic dependent launch modes
+def test_cuda_graph_matches_eager_and_hf(pdl):
+    from dschat.engine.decode_triton import KernelOptions
+    opts = KernelOptions(pdl=pdl)                # programmatic dependent launch modes
     torch.manual_seed(0)
     model = _bloom().cuda().eval()
     ids, mask = (t.cuda() for t in prompts())
     ref = hf_generate(model, ids, mask, eos_token_id=None)
-    graphs = FastGenerator(model, max_prompt_len=16, max_new_tokens=16, use_cuda_graph=True)
-    eager = FastGenerator(model, max_prompt_len=16, max_new_tokens=16, use_cuda_graph=False)
+    graphs = FastGenerator(model, max_prompt_len=16, max_new_tokens=16, use_cuda_graph=True, kernel_options=opts)
+    eager = FastGenerator(model, max_prompt_len=16, max_new_tokens=16, use_cuda_graph=False, kernel_options=opts)
     kw = dict(max_new_tokens=T, eos_token_id=None, pad_token_id=PAD)
     assert torch.equal(graphs.generate(ids, mask, **kw), ref)
     assert torch.equal(eager.generate(ids, mask, **kw), ref)
@@ -313,13 +313,20 @@ def test_cuda_graph_every_family_matches_hf(name):
     assert torch.equal(fg.generate(ids, mask, max_new_tokens=T, eos_token_id=None, pad_token_id=PAD), ref)
 
 
+def _options(**changes):
+    """The kernel options in force with `changes`, for a with-block."""
+    import dataclasses
+
+    from dschat.engine import decode_triton as dt
+    return dt.use_options(dataclasses.replace(dt.options(), **changes))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_triton_kernels_match_reference(monkeypatch):
+def test_triton_kernels_match_reference():
     from dschat.engine import decode_triton as dt
     if not dt.available():
         pytest.skip("Triton not importable")
-    monkeypatch.setattr(dt, "PDL", None)       # restored at teardown, whatever the loop below left
     g = torch.Generator(device="cuda").manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -342,69 +349,65 @@ def test_triton_kernels_match_reference(monkeypatch):
             kb[0, :, :7] = torch.finfo(dtype).min
             # PDL 3 (the default on compute capability 9+) adds the L2 prefetch of the first
             # cached slots (pos 0: slot 0 only); head_dim 80 through the padded kernel
-            monkeypatch.setattr(dt, "ATTN_PAD_HEAD_DIM", D == 80)
-            for p, dt.PDL in itertools.product((0, 63, 200, L - 1), (1, None)):
-                pos = torch.tensor([p], device="cuda")
-                torch.testing.assert_close(dt.decode_attention(q, kv, kb, pos, 0.1).float(),
-                                           dt.decode_attention_ref(q, kv, kb, pos, 0.1).float(),
-                                           atol=tol, rtol=tol)
-                new = torch.randn(B, Hkv, 2, D, device="cuda", generator=g).to(dtype)
-                kv_fused, kv_ref = kv.clone(), kv.clone()
-                got = dt.decode_attention(q, kv_fused, kb, pos, 0.1, new_kv=new)
-                dt.write_kv_ref(kv_ref, new, pos)
-                assert torch.equal(kv_fused, kv_ref)
-                want = dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1).float()
-                torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
-                # row 1's left padding skipped (key_start): the same bits as reading it
-                kb_pad = kb.clone()
-                kb_pad[1, :, :min(p, 150)] = torch.finfo(dtype).min
-                ks = torch.zeros(B, dtype=torch.int32, device="cuda")
-                ks[0], ks[1] = min(p, 7), min(p, 150)
-                kv_x, kv_y = kv.clone(), kv.clone()
-                got_x = dt.decode_attention(q, kv_x, kb_pad, pos, 0.1, new_kv=new, key_start=ks)
-                got_y = dt.decode_attention(q, kv_y, kb_pad, pos, 0.1, new_kv=new)
-                assert torch.equal(got_x, got_y) and torch.equal(kv_x, kv_ref)
-                # the previous launch rule at head_dim 64 (2 warps over 128-key blocks)
-                if D == 64 and G == 1:
-                    monkeypatch.setattr(dt, "ATTN_WARPS", 2)
-                    monkeypatch.setattr(dt, "ATTN_BLOCK_N", 128)
-                    kv_x = kv.clone()
-                    got_x = dt.decode_attention(q, kv_x, kb, pos, 0.1, new_kv=new)
-                    assert torch.equal(kv_x, kv_ref)
-                    torch.testing.assert_close(got_x.float(), want, atol=tol, rtol=tol)
-                    monkeypatch.setattr(dt, "ATTN_WARPS", None)
-                    monkeypatch.setattr(dt, "ATTN_BLOCK_N", None)
-                # the tensor-core kernel's other p.V rounding (ATTN_PV_LOW) than the default
-                if D >= 128 and dtype == torch.bfloat16:
-                    monkeypatch.setattr(dt, "ATTN_PV_LOW", not dt.ATTN_PV_LOW)
-                    kv_x = kv.clone()
-                    got_x = dt.decode_attention(q, kv_x, kb, pos, 0.1, new_kv=new)
-                    assert torch.equal(kv_x, kv_ref)
-                    torch.testing.assert_close(got_x.float(), want, atol=tol, rtol=tol)
-                    monkeypatch.setattr(dt, "ATTN_PV_LOW", not dt.ATTN_PV_LOW)
+            for p, pdl in itertools.product((0, 63, 200, L - 1), (1, None)):
+                with _options(pdl=pdl, attn_pad_head_dim=D == 80):
+                    pos = torch.tensor([p], device="cuda")
+                    torch.testing.assert_close(dt.decode_attention(q, kv, kb, pos, 0.1).float(),
+                                               dt.decode_attention_ref(q, kv, kb, pos, 0.1).float(),
+                                               atol=tol, rtol=tol)
+                    new = torch.randn(B, Hkv, 2, D, device="cuda", generator=g).to(dtype)
+                    kv_fused, kv_ref = kv.clone(), kv.clone()
+                    got = dt.decode_attention(q, kv_fused, kb, pos, 0.1, new_kv=new)
+                    dt.write_kv_ref(kv_ref, new, pos)
+                    assert torch.equal(kv_fused, kv_ref)
+                    want = dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1).float()
+                    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+                    # row 1's left padding skipped (key_start): the same bits as reading it
+                    kb_pad = kb.clone()
+                    kb_pad[1, :, :min(p, 150)] = torch.finfo(dtype).min
+                    ks = torch.zeros(B, dtype=torch.int32, device="cuda")
+                    ks[0], ks[1] = min(p, 7), min(p, 150)
+                    kv_x, kv_y = kv.clone(), kv.clone()
+                    got_x = dt.decode_attention(q, kv_x, kb_pad, pos, 0.1, new_kv=new, key_start=ks)
+                    got_y = dt.decode_attention(q, kv_y, kb_pad, pos, 0.1, new_kv=new)
+                    assert torch.equal(got_x, got_y) and torch.equal(kv_x, kv_ref)
+                    # the previous launch rule at head_dim 64 (2 warps over 128-key blocks)
+                    if D == 64 and G == 1:
+                        with _options(attn_warps=2, attn_block_n=128):
+                            kv_x = kv.clone()
+                            got_x = dt.decode_attention(q, kv_x, kb, pos, 0.1, new_kv=new)
+                        assert torch.equal(kv_x, kv_ref)
+                        torch.testing.assert_close(got_x.float(), want, atol=tol, rtol=tol)
+                    # the tensor-core kernel's other p.V rounding (attn_pv_low) than the default
+                    if D >= 128 and dtype == torch.bfloat16:
+                        with _options(attn_pv_low=not dt.options().attn_pv_low):
+                            kv_x = kv.clone()
+                            got_x = dt.decode_attention(q, kv_x, kb, pos, 0.1, new_kv=new)
+                        assert torch.equal(kv_x, kv_ref)
+                        torch.testing.assert_close(got_x.float(), want, atol=tol, rtol=tol)
         # decode linears: every Triton candidate, and "auto"'s timed choice, against F.linear,
         # in the default programmatic-dependent-launch mode and with the weight prefetch (2)
-        for (M, N, K), dt.PDL in itertools.product([(16, 1024, 4096), (1, 3072, 1024)], (None, 1, 2)):
-            x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
-            w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
-            b, r, nw, nb = (torch.randn(n, device="cuda", generator=g).to(dtype) for n in (N, M * N, N, N))
-            r = r.view(M, N)
-            want_lin = dt.linear_ref(x, w, b).float()
-            want = [t.float() for t in dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)]
-            tma = dt._tma_ok(x, w)     # bf16 / fp16 on Hopper: the TMA candidates too
-            for cfg in [None] + list(dt._linear_candidates(K, parts=True, tma=tma).values())[1:]:
-                dt.LINEAR_FORCE = {"linear+norm": cfg}
-                for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
-                    torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
-            # an x TMA cannot address (rows 2 (K + 1) bytes apart) takes the pointer loads
-            x_odd = torch.zeros(M, K + 1, device="cuda", dtype=dtype)[:, :K].copy_(x)
-            for cfg in [None] + list(dt._linear_candidates(K, parts=False, tma=tma).values())[1:]:
-                dt.LINEAR_FORCE = {"linear": cfg}
+        for (M, N, K), pdl in itertools.product([(16, 1024, 4096), (1, 3072, 1024)], (None, 1, 2)):
+            with _options(pdl=pdl):
+                x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+                w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
+                b, r, nw, nb = (torch.randn(n, device="cuda", generator=g).to(dtype) for n in (N, M * N, N, N))
+                r = r.view(M, N)
+                want_lin = dt.linear_ref(x, w, b).float()
+                want = [t.float() for t in dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)]
+                tma = dt._tma_ok(x, w)     # bf16 / fp16 on Hopper: the TMA candidates too
+                for cfg in [None] + list(dt._linear_candidates(K, parts=True, tma=tma).values())[1:]:
+                    with _options(linear_force={"linear+norm": cfg}):
+                        for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
+                            torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
+                # an x TMA cannot address (rows 2 (K + 1) bytes apart) takes the pointer loads
+                x_odd = torch.zeros(M, K + 1, device="cuda", dtype=dtype)[:, :K].copy_(x)
+                for cfg in [None] + list(dt._linear_candidates(K, parts=False, tma=tma).values())[1:]:
+                    with _options(linear_force={"linear": cfg}):
+                        torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
+                        torch.testing.assert_close(dt.tuned_linear(x_odd, w, b).float(), want_lin,
+                                                   atol=tol * 4, rtol=tol)
                 torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
-                torch.testing.assert_close(dt.tuned_linear(x_odd, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
-            dt.LINEAR_FORCE = None
-            torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
-        dt.PDL = None
         # argmax: torch's index exactly, ties included
         x = torch.randint(0, 50, (16, 250880), device="cuda", generator=g).to(dtype)
         assert torch.equal(dt.argmax(x), x.argmax(-1))
@@ -431,11 +434,11 @@ def test_triton_kernels_match_reference(monkeypatch):
         want = [t.float() for t in dt.add_norm_ref(dt.linear_ref(x, w, b), r, w1, b1, 1e-5, False, y2,
                                                     (w2, b2, 1e-6))]
         for cfg in [None] + list(dt._linear_candidates(K, parts=True).values())[1:]:
-            dt.LINEAR_FORCE = {"linear+norm": cfg}
-            got = dt.linear_add_norm(x, w, b, r, w1, b1, 1e-5, False, y2, (w2, b2, 1e-6))
-            assert len(got) == 3
-            for a, e in zip(got, want):
-                torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
+            with _options(linear_force={"linear+norm": cfg}):
+                got = dt.linear_add_norm(x, w, b, r, w1, b1, 1e-5, False, y2, (w2, b2, 1e-6))
+                assert len(got) == 3
+                for a, e in zip(got, want):
+                    torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
         # GPT-2's gelu_new in one kernel against HF's module (libdevice tanhf vs PyTorch's tanh
         # may differ in the last bit, as for Bloom's GELU above)
         from transformers.activations import NewGELUActivation
@@ -450,22 +453,22 @@ def test_triton_kernels_match_reference(monkeypatch):
             r = r.view(M, N)
             want_lin = dt.linear_ref(x, w, b).float()
             for cfg in [None] + list(dt._linear_candidates(K, parts=False, transposed=True).values())[1:]:
-                dt.LINEAR_FORCE = {"linear": cfg}
-                torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
+                with _options(linear_force={"linear": cfg}):
+                    torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
             want = [t.float() for t in dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)]
             for cfg in list(dt._linear_candidates(K, parts=True, transposed=True).values())[1:]:
-                dt.LINEAR_FORCE = {"linear+norm": cfg}
-                for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
-                    torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
+                with _options(linear_force={"linear+norm": cfg}):
+                    for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
+                        torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
         # LLaMA's SiLU(gate) * up in one kernel: every candidate against HF's op order
         N, K = 11008, 4096
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
         wg, wu = ((torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype) for _ in range(2))
         want = dt.gated_ref(x, wg, None, wu, None)
         for cfg in [None] + list(dt._linear_candidates(K, parts=False, tma=dt._tma_ok(x, wg), weights=2).values())[1:]:
-            dt.LINEAR_FORCE = {"gated": cfg}
-            torch.testing.assert_close(dt.gated_mlp(x, wg, None, wu, None).float(), want.float(),
-                                       atol=tol * 4, rtol=tol)
+            with _options(linear_force={"gated": cfg}):
+                torch.testing.assert_close(dt.gated_mlp(x, wg, None, wu, None).float(), want.float(),
+                                           atol=tol * 4, rtol=tol)
         # exact (erf) GELU in the linear's epilogue against nn.GELU after F.linear
         N, K = 8192, 2048
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
@@ -473,9 +476,8 @@ def test_triton_kernels_match_reference(monkeypatch):
         b = torch.randn(N, device="cuda", generator=g).to(dtype)
         want = dt.linear_ref(x, w, b, "erf").float()
         for cfg in [None] + list(dt._linear_candidates(K, parts=False, tma=dt._tma_ok(x, w)).values())[1:]:
-            dt.LINEAR_FORCE = {"linear": cfg}
-            torch.testing.assert_close(dt.tuned_linear(x, w, b, gelu="erf").float(), want, atol=tol * 4, rtol=tol)
-        dt.LINEAR_FORCE = None
+            with _options(linear_force={"linear": cfg}):
+                torch.testing.assert_close(dt.tuned_linear(x, w, b, gelu="erf").float(), want, atol=tol * 4, rtol=tol)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
@@ -493,12 +495,12 @@ def test_triton_kernels_in_the_cpu_interpreter():
 
 def test_programmatic_dependent_launch_only_on_hopper_cuda(monkeypatch):
     """PDL is a launch attribute of CUDA compute capability 9+: never requested on the CPU
-    or in Triton's interpreter, whatever decode_triton.PDL says."""
+    or in Triton's interpreter, whatever KernelOptions.pdl says."""
     from dschat.engine import decode_triton as dt
     for mode in (None, 1, 2, 3):
-        monkeypatch.setattr(dt, "PDL", mode)
-        assert dt._pdl_mode(torch.device("cpu")) == 0
-        assert dt._pdl_launch(dt._pdl_mode(torch.device("cpu"))) == {}
+        with dt.use_options(dt.KernelOptions(pdl=mode)):
+            assert dt._pdl_mode(torch.device("cpu")) == 0
+            assert dt._pdl_launch(dt._pdl_mode(torch.device("cpu"))) == {}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert dt._interpreting() and dt._pdl_mode(torch.device("cuda")) == 0
     assert dt._pdl_launch(2) == {"launch_pdl": True}
@@ -510,17 +512,16 @@ def test_programmatic_dependent_launch_only_on_hopper_cuda(monkeypatch):
 
 def test_head_dim_not_a_power_of_two(monkeypatch):
     """bloom-3b and pythia-2.8b have head_dim 80 (gpt-neox-20b 96): the Triton decode
-    attention pads head_dim to a power-of-two block (ATTN_PAD_HEAD_DIM, the default). With
+    attention pads head_dim to a power-of-two block (KernelOptions.attn_pad_head_dim, the default). With
     the padding off such models decode with baddbmm, and the kernel's entry point answers
     with the reference instead of failing to compile."""
     from dschat.engine import decode_triton as dt
     from dschat.engine.decode import _DecodeBlock
-    assert dt.ATTN_PAD_HEAD_DIM
+    assert dt.KernelOptions().attn_pad_head_dim
     assert _DecodeBlock.default_attention(80, "fast", True) == "triton"
     assert _DecodeBlock.default_attention(96, "fast", True) == "triton"
-    monkeypatch.setattr(dt, "ATTN_PAD_HEAD_DIM", False)
-    assert _DecodeBlock.default_attention(80, "fast", True) == "bmm"
-    assert _DecodeBlock.default_attention(96, "fast", True) == "bmm"
+    assert _DecodeBlock.default_attention(80, "fast", True, pad_head_dim=False) == "bmm"
+    assert _DecodeBlock.default_attention(96, "fast", True, pad_head_dim=False) == "bmm"
     assert _DecodeBlock.default_attention(64, "fast", True) == "triton"
     assert _DecodeBlock.default_attention(128, "fast", True) == "triton"
     g = torch.Generator().manual_seed(0)
@@ -528,8 +529,9 @@ def test_head_dim_not_a_power_of_two(monkeypatch):
     kb, pos = torch.zeros(2, 1, 32), torch.tensor([20])
     # as in the interpreter, where CPU tensors would otherwise reach the kernel
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    torch.testing.assert_close(dt.decode_attention(q, kv, kb, pos, 0.1),
-                               dt.decode_attention_ref(q, kv, kb, pos, 0.1))
+    with dt.use_options(dt.KernelOptions(attn_pad_head_dim=False)):
+        torch.testing.assert_close(dt.decode_attention(q, kv, kb, pos, 0.1),
+                                   dt.decode_attention_ref(q, kv, kb, pos, 0.1))
     monkeypatch.delenv("TRITON_INTERPRET")
     model = _bloom(n_head=2, hidden=160)                   # head_dim 80
     ids, mask = prompts()
@@ -538,7 +540,7 @@ def test_head_dim_not_a_power_of_two(monkeypatch):
 
 
 def test_l2_prefetch_lengths():
-    """Mode 3's prefetch per program: about PDL_PREFETCH bytes as a power of two of whole
+    """Mode 3's prefetch per program: about KernelOptions.pdl_prefetch bytes as a power of two of whole
     128-byte lines, never past the program's K slice, nothing outside mode 3 or at 0 bytes."""
     from dschat.engine import decode_triton as dt
     w = torch.empty(8, 8, dtype=torch.bfloat16)
@@ -549,10 +551,7 @@ def test_l2_prefetch_lengths():
     assert dt._prefetch_args(3, 16, 200, w)["PF_K"] == 128
     assert dt._prefetch_args(1, 32, 4096, w)["PF_K"] == 0
     assert dt._prefetch_args(3, 32, 4096, w.float())["LINE"] == 32
-    old = dt.PDL_PREFETCH
-    try:
-        dt.PDL_PREFETCH = 0
+    with dt.use_options(dt.KernelOptions(pdl_prefetch=0)):
         assert dt._prefetch_args(3, 32, 4096, w)["PF_K"] == 0
-    finally:
-        dt.PDL_PREFETCH = old
+    assert dt.options().pdl_prefetch == 8192
     assert [dt._prefetch_count(n, 1) for n in (0, 1, 15, 16, 17)] == [1, 1, 8, 16, 16]

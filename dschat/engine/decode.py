@@ -217,8 +217,10 @@ class _DecodeBlock:
     """
 
     def __init__(self, model, *, numerics: str, fuse_qkv: bool, on_cuda: bool,
-                 attn_impl: Optional[str] = None, use_triton: bool = False):
+                 attn_impl: Optional[str] = None, use_triton: bool = False,
+                 kernel_options: Optional[decode_triton.KernelOptions] = None):
         self.model = model
+        self.kopts = kernel_options or decode_triton.options()
         # residual add + next norm: one Triton kernel per norm in the decode step
         self.use_triton = use_triton
         self.add_norm = decode_triton.add_norm if use_triton else add_norm_ref
@@ -226,31 +228,32 @@ class _DecodeBlock:
         self.fam = family_of(model)
         self.numerics = numerics
         # the decode step's linears: cuBLAS, or per shape the faster of cuBLAS and Triton
-        # kernels (decode_triton.DECODE_LINEAR); 2-D inputs only, so the prompt's 3-D ones
+        # kernels (KernelOptions.decode_linear); 2-D inputs only, so the prompt's 3-D ones
         # and numerics "hf" keep F.linear
-        mode = decode_triton.DECODE_LINEAR if (use_triton and numerics == "fast") else False
+        mode = self.kopts.decode_linear if (use_triton and numerics == "fast") else False
         self.lin = (decode_triton.tuned_linear if mode == "auto" else
                     decode_triton.linear if mode is True else _lin)
         self.fuse_qkv = fuse_qkv
         self.on_cuda = on_cuda
         self._derived: dict[str, torch.Tensor] = {}
         self.bind()
-        self.attn_impl = attn_impl or self.default_attention(self.head_dim, numerics, use_triton)
+        self.attn_impl = attn_impl or self.default_attention(self.head_dim, numerics, use_triton,
+                                                             self.kopts.attn_pad_head_dim)
 
     @classmethod
     def unsupported_reason(cls, model, config, max_total_len) -> Optional[str]:
         return None
 
     @staticmethod
-    def default_attention(head_dim: int, numerics: str, use_triton: bool) -> str:
+    def default_attention(head_dim: int, numerics: str, use_triton: bool, pad_head_dim: bool = True) -> str:
         """Decode attention measured fastest among those whose seeded sampling reproduces
         through captured graphs: the Triton kernel up to head_dim 128 (from head_dim 128 its
-        tensor-core variant, decode_triton.ATTN_DOT); baddbmm otherwise and for
+        tensor-core variant, KernelOptions.attn_dot); baddbmm otherwise and for
         numerics="hf" (HF's exact op order). cuDNN SDPA did not reproduce seeded sampling
         through graphs. Measurements: docs/DECODE.md, section 4."""
         # the Triton kernel spans head_dim in one power-of-two block (bloom-3b and pythia-2.8b
-        # have 80, gpt-neox-20b 96: padded to 128 unless decode_triton.ATTN_PAD_HEAD_DIM is off)
-        pow2 = head_dim & (head_dim - 1) == 0 or decode_triton.ATTN_PAD_HEAD_DIM
+        # have 80, gpt-neox-20b 96: padded to 128 unless KernelOptions.attn_pad_head_dim is off)
+        pow2 = head_dim & (head_dim - 1) == 0 or pad_head_dim
         if numerics == "fast" and use_triton and head_dim <= 128 and pow2:
             return "triton"
         return "bmm"
@@ -333,8 +336,8 @@ class _DecodeBlock:
         """One decode step's attention for one layer: q [B, Hkv, G, D], this step's K/V
         new_kv [B, Hkv, 2, D] (any strides, contiguous last dim) written into cache slot pos,
         then q against the cache (see _attend_decode). The Triton kernel writes the K/V
-        itself where decode_triton.FUSE_KV_WRITE."""
-        if self.attn_impl == "triton" and decode_triton.FUSE_KV_WRITE:
+        itself where KernelOptions.fuse_kv_write."""
+        if self.attn_impl == "triton" and self.kopts.fuse_kv_write:
             return decode_triton.decode_attention(q, kv, bias, pos, self.scale, new_kv=new_kv,
                                                   key_start=key_start)
         decode_triton.write_kv_ref(kv, new_kv, pos)
@@ -689,7 +692,7 @@ class _LlamaBlock(_DecodeBlock):
         return torch.cat([self.lin(h, *lay[n]) for n in "qkv"], dim=-1).view(shape)
 
     def _mlp_inner(self, h, lay):
-        if self.silu and decode_triton.FUSE_GATED and self.lin is decode_triton.tuned_linear and h.dim() == 2:
+        if self.silu and self.kopts.fuse_gated and self.lin is decode_triton.tuned_linear and h.dim() == 2:
             return decode_triton.gated_mlp(h, *lay["gate"], *lay["up"])    # one kernel where faster
         return lay["act"](self.lin(h, *lay["gate"])) * self.lin(h, *lay["up"])
 
@@ -980,13 +983,17 @@ class FastGenerator:
     `use_triton` (None: on for CUDA where Triton imports) fuses residual adds with norms (and
     HF's op-by-op GELU under numerics="hf"); attn_impl="triton" is an opt-in flash-decoding
     kernel that reads the filled length on the device (one graph per batch bucket).
+    `kernel_options` (decode_triton.KernelOptions; None: those in force when it is built,
+    the defaults unless inside `decode_triton.use_options`) are the Triton kernels' launch
+    choices, in force during this generator's calls.
     """
 
     def __init__(self, model, *, max_prompt_len: int, max_new_tokens: int,
                  batch_buckets=(1, 2, 4, 8, 16, 32, 64), use_cuda_graph: Optional[bool] = None,
                  numerics: str = "fast", fuse_qkv: Optional[bool] = None,
                  length_bucket: int = LENGTH_BUCKET, check_every: int = 16,
-                 attn_impl: Optional[str] = None, use_triton: Optional[bool] = None):
+                 attn_impl: Optional[str] = None, use_triton: Optional[bool] = None,
+                 kernel_options: Optional[decode_triton.KernelOptions] = None):
         model = unwrap_peft(model)
         reason = fast_decode_unsupported_reason(model, max_total_len=max_prompt_len + max_new_tokens)
         if reason is not None:
@@ -996,6 +1003,7 @@ class FastGenerator:
         if max_prompt_len < 1 or max_new_tokens < 1:
             raise ValueError("max_prompt_len and max_new_tokens must be >= 1")
         self.model = model
+        self.kernel_options = kernel_options or decode_triton.options()
         dev = next(model.parameters()).device
         on_cuda = dev.type == "cuda"
         self.use_cuda_graph = on_cuda if use_cuda_graph is None else bool(use_cuda_graph)
@@ -1010,7 +1018,8 @@ class FastGenerator:
         self.block: _DecodeBlock = _BLOCKS[key](
             model, numerics=numerics, fuse_qkv=on_cuda if fuse_qkv is None else bool(fuse_qkv),
             on_cuda=on_cuda, attn_impl=attn_impl,
-            use_triton=(on_cuda and decode_triton.available()) if use_triton is None else bool(use_triton))
+            use_triton=(on_cuda and decode_triton.available()) if use_triton is None else bool(use_triton),
+            kernel_options=self.kernel_options)
         self.block.rebuild()
         self._pointers = self.block.pointers()
         self._ws: Optional[_Workspace] = None
@@ -1040,7 +1049,13 @@ class FastGenerator:
 
     # -------------------------------------------------------------- generate
     @torch.no_grad()
-    def generate(self, input_ids, attention_mask, *, max_new_tokens: Optional[int] = None,
+    def generate(self, input_ids, attention_mask, **kwargs) -> torch.LongTensor:
+        """Left-padded prompts [B, P] -> [B, P + T] like HF generate, with this generator's
+        kernel options in force (arguments: `_checked_generate`)."""
+        with decode_triton.use_options(self.kernel_options):
+            return self._checked_generate(input_ids, attention_mask, **kwargs)
+
+    def _checked_generate(self, input_ids, attention_mask, *, max_new_tokens: Optional[int] = None,
                  min_new_tokens: int = 0, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, eos_token_id=None, pad_token_id: int,
                  generator: Optional[torch.Generator] = None) -> torch.LongTensor:
@@ -1172,7 +1187,7 @@ class FastGenerator:
             e = ws.eos_tensor(mode.eos)
             blocked = ws.t < ws.min_new
             logits.index_copy_(1, e, logits.index_select(1, e).masked_fill(blocked, float("-inf")))
-        argmax = (decode_triton.argmax if self.block.use_triton and decode_triton.TRITON_ARGMAX
+        argmax = (decode_triton.argmax if self.block.use_triton and self.block.kopts.triton_argmax
                   else decode_triton.argmax_ref)
         if not mode.do_sample:
             return argmax(logits)

@@ -16,7 +16,10 @@ On Hopper and later every kernel here is launched with programmatic dependent la
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -48,24 +51,100 @@ def available() -> bool:
 
 # ---------------------------------------------------------------------------- launch overlap
 
-# Programmatic dependent launch (Hopper and later; Triton's launch_pdl): each decode kernel
-# may be launched while the kernel before it is still finishing, and waits (griddepcontrol
-# .wait) before it reads or writes anything another kernel of the step touches. What it
-# saves is the gap between two dependent kernels (launch, ramp-up, the previous kernel's
-# tail), a few microseconds each, 8 kernels per layer. Kernels launched without it (cuBLAS,
-# PyTorch's) order as usual; a PDL kernel's wait covers every kernel before it, because each
-# of them waited for its own predecessor before it let its dependents launch.
-# 0: off; 1: wait first thing; 2: as 1, but the linear kernels read their first weight tile
-# before waiting (weights are never written inside a decode step: the replica is refilled
-# between rollouts, outside any graph); 3: as 1, but the linears and the attention first ask
-# L2 for the first PDL_PREFETCH(_ATTN) bytes of what they will stream (their weight strip,
-# their cached keys and values: PTX prefetch.global.L2, a hint that moves nothing through
-# the SM), so that bandwidth the previous kernel's tail leaves idle is put to use.
-# None: 3 on compute capability 9+, else 0. Mode 3 helps most where kernels are short;
-# a deeper prefetch competes with the previous kernel's stream (docs/DECODE.md, section 7).
-PDL: "int | None" = None
-PDL_PREFETCH = 8192                   # mode 3: bytes per linear program (0: none)
-PDL_PREFETCH_ATTN = 8192              # mode 3: bytes per attention program (0: none)
+# ---------------------------------------------------------------------------- options
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Every launch choice of the kernels here, in one frozen object (defaults: what the
+    fast path runs). `FastGenerator(kernel_options=...)` activates one for its calls
+    (`use_options`); benchmarks and tests build one instead of editing this module. The
+    measurements behind each default are in docs/DECODE.md.
+
+    Launch overlap (Hopper and later, Triton's launch_pdl): each decode kernel may be
+    launched while the previous one finishes and waits (griddepcontrol.wait) before it
+    touches anything another kernel of the step touches. Kernels launched without it
+    (cuBLAS, PyTorch's) order as usual.
+    """
+    # PDL mode. 0: off; 1: wait first thing; 2: as 1, but the linears read their first
+    # weight tile before waiting (weights are never written inside a decode step); 3: as 1,
+    # but the linears and the attention first ask L2 for the first `pdl_prefetch(_attn)`
+    # bytes they will stream (PTX prefetch.global.L2). None: 3 on compute capability 9+
+    # with CUDA 12.3+, else 0.
+    pdl: Optional[int] = None
+    pdl_prefetch: int = 8192             # mode 3: bytes per linear program (0: none)
+    pdl_prefetch_attn: int = 8192        # mode 3: bytes per attention program (0: none)
+
+    # Attention launch knobs; None: the per-shape rule (benchmarks/attn_bench.py's sweep).
+    attn_splits: Optional[int] = None    # programs the keys of one (row, head) are split over
+    attn_block_n: Optional[int] = None   # keys per inner step: 128 for head_dim <= 64, else 64
+    attn_warps: Optional[int] = None     # 2 warps where one query head reads each K/V head
+    attn_stages: Optional[int] = None    # software-pipelining stages of the key loop; None: Triton's
+    # Split programs merge their partial softmaxes themselves (the last to arrive, by an
+    # atomic counter) instead of a combine kernel. Off: a wash.
+    attn_inline_combine: bool = False
+    # Scores and the value sum as tensor-core dots (bf16/fp16 caches). None: on for
+    # head_dim >= 128 (faster there, slower at 64).
+    attn_dot: Optional[bool] = None
+    # With the dots: p rounded to the cache dtype before p.V (as HF's eager attention);
+    # False: p.V in TF32. Off: slower at bloom-7b1.
+    attn_pv_low: bool = False
+    # The attention kernel writes the step's K/V into the cache itself (Bloom, OPT blocks).
+    fuse_kv_write: bool = True
+    # head_dim not a power of two (80, 96): one block of the next power of two, extra lanes
+    # masked; False: such models decode with baddbmm (slower).
+    attn_pad_head_dim: bool = True
+    # Left padding: each row's key loop starts at the block of its first visible slot
+    # (same result bit for bit; reads less cache for short prompts).
+    attn_skip_pad: bool = True
+
+    # Decode linears. False: cuBLAS everywhere; True: `_linear_kernel` with the fixed rule
+    # below; "auto": per shape the fastest of cuBLAS and a few Triton configurations, timed
+    # once per process on first use (within 3% cuBLAS is kept). Choices can differ between
+    # processes (like cudnn.benchmark); False gives cuBLAS's determinism.
+    decode_linear: Union[bool, str] = "auto"
+    linear_block_n: Optional[int] = None # True's rule; None: the widest of 64/32/16 giving 2 programs per SM
+    linear_block_k: int = 128
+    linear_warps: int = 4
+    linear_stages: Optional[int] = None
+    linear_tma: bool = True              # TMA candidates (Hopper, 16-bit weights) in "auto"'s race
+    linear_tune_margin: float = 0.97     # "auto" takes a Triton candidate under this share of cuBLAS's time
+    # Tests: ((op, config), ...) used by "auto" instead of timing, op "linear" -> (BLOCK_N,
+    # BLOCK_K), "linear+norm" -> (splits, BLOCK_N, BLOCK_K); an op left out: cuBLAS.
+    linear_force: Optional[tuple] = None
+    fuse_gated: bool = True              # LLaMA's SiLU(gate) * up as one kernel (False: two linears + PyTorch)
+    triton_argmax: bool = True           # False: torch's argmax in the decode step
+
+    def __post_init__(self):
+        if self.pdl not in (None, 0, 1, 2, 3):
+            raise ValueError(f"KernelOptions.pdl must be None or 0-3, got {self.pdl!r}")
+        if self.decode_linear not in (True, False, "auto"):
+            raise ValueError(f"KernelOptions.decode_linear must be True, False or 'auto', got {self.decode_linear!r}")
+        if isinstance(self.linear_force, dict):       # accept a dict, store it hashable
+            object.__setattr__(self, "linear_force", tuple(sorted(self.linear_force.items())))
+
+
+_ACTIVE = KernelOptions()
+
+
+def options() -> KernelOptions:
+    """The kernel options in force (KernelOptions() unless inside `use_options`)."""
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def use_options(opts: Optional[KernelOptions]):
+    """Run the block with `opts` in force (None: leave the current ones); restored after."""
+    global _ACTIVE
+    if opts is None:
+        yield _ACTIVE
+        return
+    if not isinstance(opts, KernelOptions):
+        raise TypeError(f"use_options takes a KernelOptions, got {type(opts).__name__}")
+    saved, _ACTIVE = _ACTIVE, opts
+    try:
+        yield opts
+    finally:
+        _ACTIVE = saved
 
 
 def _cuda_at_least(major: int, minor: int) -> bool:
@@ -82,13 +161,15 @@ def _pdl_mode(device) -> int:
     # programmatic edges inside captured CUDA graphs need CUDA 12.3+
     if torch.cuda.get_device_capability(device)[0] < 9 or not _cuda_at_least(12, 3):
         return 0
-    return 3 if PDL is None else int(PDL)
+    pdl = _ACTIVE.pdl
+    return 3 if pdl is None else int(pdl)
 
 
 def _launch_key(device) -> tuple:
     """The launch settings a per-shape timing depends on."""
     mode = _pdl_mode(device)
-    return mode, (PDL_PREFETCH, PDL_PREFETCH_ATTN) if mode == 3 else 0, LINEAR_TMA
+    o = _ACTIVE
+    return mode, (o.pdl_prefetch, o.pdl_prefetch_attn) if mode == 3 else 0, o.linear_tma, o.linear_tune_margin
 
 
 def _pdl_launch(mode: int) -> dict:
@@ -390,43 +471,6 @@ def _interpreting() -> bool:
 
 # ---------------------------------------------------------------------------- attention
 
-# Launch knobs; None: the per-shape choice below, from benchmarks/attn_bench.py's sweep
-# (docs/DECODE.md, section 4).
-ATTN_SPLITS: "int | None" = None       # programs the keys of one (row, head) are split over
-ATTN_BLOCK_N: "int | None" = None      # keys per inner step: 128 for head_dim <= 64, else 64
-ATTN_WARPS: "int | None" = None        # 2 warps where one query head reads each K/V head
-# Split programs combine their partial softmaxes themselves: the last of a (row, head)'s
-# programs to finish (an atomic arrival counter) merges them, so no combine kernel is
-# launched (one kernel less per layer and step). Off: a wash on the GPU (docs/DECODE.md,
-# section 4; `benchmarks/attn_bench.py` has the variant).
-ATTN_INLINE_COMBINE = False
-ATTN_STAGES: "int | None" = None       # software-pipelining stages of the key loop; None: Triton's
-# Scores and the value sum as tensor-core dots (query rows padded to 16; bf16 q.K^T with fp32
-# accumulation, p.V in TF32) instead of the per-key GEMV reductions; bf16/fp16 caches only.
-# None: on for head_dim >= 128, launched with 32-key blocks, 4 warps and splits for ~512
-# programs; faster than the GEMV kernel there, slower at head_dim 64 (docs/DECODE.md, section 4).
-ATTN_DOT: "bool | None" = None
-# With the dots: p.V with the probabilities rounded to the cache dtype (bf16/fp16 products,
-# exact in the fp32 accumulator), as HF's eager attention rounds its fp32 softmax to the value
-# dtype before its bmm; False: p.V in TF32 with V converted to fp32 first. Off: slower at
-# bloom-7b1, though closer to HF's rows (docs/DECODE.md, section 4).
-ATTN_PV_LOW = False
-# The attention kernel writes the step's K/V into the cache itself (one kernel less per
-# layer; the Bloom and OPT blocks, where the decode attention is the Triton one; measured
-# in docs/DECODE.md, section 3).
-FUSE_KV_WRITE = True
-# Head dims that are not a power of two (bloom-3b and pythia-2.8b: 80, gpt-neox-20b: 96): the
-# kernel spans head_dim in one block of the next power of two with the extra lanes masked.
-# False: such models decode with baddbmm, which is slower (docs/DECODE.md, section 4); the
-# GPU kernel test has a head_dim-80 shape.
-ATTN_PAD_HEAD_DIM = True
-# Left padding: each row's key loop starts at the block holding its first visible slot (the
-# generator's `key_start`) instead of slot 0, same result bit for bit. DeepSpeed-Chat pads
-# every prompt to max_prompt_seq_len, so a batch of shorter prompts reads less cache
-# (docs/DECODE.md, section 4).
-ATTN_SKIP_PAD = True
-
-
 def decode_attention_ref(q, kv, key_bias, pos, scale: float):
     """One query token per row against cache slots 0..pos (pos: 1-element device tensor).
 
@@ -470,7 +514,7 @@ if triton is not None:
                      GP: tl.constexpr, DOT: tl.constexpr, INTERP: tl.constexpr, PV_LOW: tl.constexpr):
         """Online-softmax update with the block `_attn_load` read at n0. q [GP, D] in the
         cache dtype when DOT (tensor-core dots; GP >= 16 rows, the padding rows zero), else fp32;
-        PV_LOW: p.V with p rounded to the cache dtype (ATTN_PV_LOW)."""
+        PV_LOW: p.V with p rounded to the cache dtype (KernelOptions.attn_pv_low)."""
         valid = n0 + tl.arange(0, BLOCK_N) < end
         if DOT:
             # bf16/fp16 q.K^T with fp32 accumulation (exact products), then p.V in TF32 (PV_LOW:
@@ -652,8 +696,8 @@ def _splits(B: int, Hkv: int, L: int, block_n: int, programs: int = 1024) -> int
     GEMV programs at head_dim <= 64 (8 splits at bloom-560m batch 16), else 1024 (2 splits at
     head_dim 128 batch 16); with the tensor-core dots 512 (1 split at bloom-7b1 batch 16).
     From attn_bench.py's sweep (docs/DECODE.md, section 4)."""
-    if ATTN_SPLITS is not None:
-        return ATTN_SPLITS
+    if _ACTIVE.attn_splits is not None:
+        return _ACTIVE.attn_splits
     s = 1
     while B * Hkv * s < programs and L // (2 * s) >= block_n and s < 16:
         s *= 2
@@ -668,12 +712,12 @@ def _small_gemv(D: int, GP: int) -> bool:
 
 
 def _block_n(D: int, GP: int = 1) -> int:
-    return ATTN_BLOCK_N or (32 if _small_gemv(D, GP) else 128 if D <= 64 else 64)
+    return _ACTIVE.attn_block_n or (32 if _small_gemv(D, GP) else 128 if D <= 64 else 64)
 
 
 def _warps(block_n: int, D: int, GP: int) -> int:
-    if ATTN_WARPS:
-        return ATTN_WARPS
+    if _ACTIVE.attn_warps:
+        return _ACTIVE.attn_warps
     if GP == 1:      # fewer idle lanes per GEMV: 2 beat 4 and 8 in attn_bench.py's sweep
         return 1 if _small_gemv(D, GP) else 2
     return 8 if block_n * D * GP >= 8192 else 4   # grouped queries: not swept
@@ -717,7 +761,7 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, key_start=
     fallback = triton is None or (q.device.type != "cuda" and not _interpreting())
     B, Hkv, G, D = q.shape
     L = kv.shape[2]
-    if D & (D - 1) and not ATTN_PAD_HEAD_DIM:  # one power-of-two block spans head_dim
+    if D & (D - 1) and not _ACTIVE.attn_pad_head_dim:  # one power-of-two block spans head_dim
         fallback = True
     if not fallback and (q.stride(-1) != 1 or kv.stride(-1) != 1 or kv.stride(3) != D
                          or key_bias.stride(-1) != 1):
@@ -730,10 +774,10 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, key_start=
         return decode_attention_ref(q, kv, key_bias, pos, scale)
     GS = max(1, triton.next_power_of_2(G))
     # tensor-core dots pad the query rows to 16 (bf16/fp16 caches; fp32 keeps exact FMA math)
-    dot = (D >= 128 if ATTN_DOT is None else ATTN_DOT) and (_interpreting() or (
+    dot = (D >= 128 if _ACTIVE.attn_dot is None else _ACTIVE.attn_dot) and (_interpreting() or (
         kv.dtype in (torch.bfloat16, torch.float16) and _tensor_core_tf32(kv.device)))
     GP = max(16, GS) if dot else GS
-    bn = (ATTN_BLOCK_N or 32) if dot else _block_n(D, GP)
+    bn = (_ACTIVE.attn_block_n or 32) if dot else _block_n(D, GP)
     S = _splits(B, Hkv, L, bn, 512 if dot else 2048 if _small_gemv(D, GP) else 1024)
     chunk = _even_chunks(L, S, bn)[0]          # S programs per row even where some get no keys
     out = torch.empty(B, Hkv * G * D, dtype=q.dtype, device=q.device)
@@ -746,17 +790,17 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, key_start=
     sb_h = 0 if key_bias.shape[1] == 1 else key_bias.stride(1)
     fused = new_kv is not None
     new = new_kv if fused else q
-    stages = {"num_stages": ATTN_STAGES} if ATTN_STAGES else {}
-    count = _arrival_counters(B * Hkv, q.device) if ATTN_INLINE_COMBINE and S > 1 else None
+    stages = {"num_stages": _ACTIVE.attn_stages} if _ACTIVE.attn_stages else {}
+    count = _arrival_counters(B * Hkv, q.device) if _ACTIVE.attn_inline_combine and S > 1 else None
     pdl = _pdl_mode(q.device)
     DP = triton.next_power_of_2(D)           # head_dim lanes of the kernels' blocks
     line = 128 // kv.element_size()          # elements per 128-byte line; a slot is 2 * D
     pf_n = 0
-    if pdl == 3 and PDL_PREFETCH_ATTN > 0:
-        pf_n = _prefetch_count(min(chunk, PDL_PREFETCH_ATTN // (2 * D * kv.element_size())), 1)
+    if pdl == 3 and _ACTIVE.pdl_prefetch_attn > 0:
+        pf_n = _prefetch_count(min(chunk, _ACTIVE.pdl_prefetch_attn // (2 * D * kv.element_size())), 1)
     inline = count is not None
     count = count if inline else m
-    skip = key_start is not None and ATTN_SKIP_PAD
+    skip = key_start is not None and _ACTIVE.attn_skip_pad
     if skip and (key_start.dtype != torch.int32 or key_start.shape != (B,) or key_start.stride(0) != 1):
         raise ValueError(f"key_start must be a contiguous int32 [{B}] tensor, got "
                          f"{key_start.dtype} {tuple(key_start.shape)}")
@@ -767,8 +811,8 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, key_start=
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
         G=G, GP=GP, D=D, DP=DP, BLOCK_N=bn,
         SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
-        PDL=pdl, PF_N=pf_n, LINE=line, PV_LOW=dot and ATTN_PV_LOW, SKIP_PAD=skip,
-        num_warps=(ATTN_WARPS or 4) if dot else _warps(bn, D, GP), **stages,
+        PDL=pdl, PF_N=pf_n, LINE=line, PV_LOW=dot and _ACTIVE.attn_pv_low, SKIP_PAD=skip,
+        num_warps=(_ACTIVE.attn_warps or 4) if dot else _warps(bn, D, GP), **stages,
         **_pdl_launch(pdl))
     if S > 1 and not inline:
         _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GS, D=D, SPLITS=S, PDL=pdl, DP=DP,
@@ -787,21 +831,6 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, key_start=
 #   following the linear sums (+ bias, rounded to the model dtype as the linear's output
 #   would be): in a decoder block the attention-output and MLP-down projections are
 #   always followed by the residual add + norm, so the split costs no reduce kernel.
-# DECODE_LINEAR: False - cuBLAS (F.linear) everywhere; True - `_linear_kernel` with the
-# fixed rule below everywhere; "auto" - per shape the fastest of cuBLAS and a few Triton
-# configurations, timed once per process on first use (replayed from a CUDA graph over
-# copies of the weight larger than L2, outside any capture) and logged; within 3% cuBLAS
-# is kept. Choices can differ between processes (like cudnn.benchmark), so bf16 results
-# can differ in the last bit between runs; False gives cuBLAS's determinism.
-DECODE_LINEAR: "bool | str" = "auto"
-LINEAR_BLOCK_N: "int | None" = None   # True's rule; None: the widest of 64/32/16 giving 2 programs per SM
-LINEAR_BLOCK_K = 128
-LINEAR_WARPS = 4
-LINEAR_STAGES: "int | None" = None
-# tests: {"linear": (BLOCK_N, BLOCK_K), "linear+norm": (splits, BLOCK_N, BLOCK_K)} used by
-# "auto" instead of timing (an op left out: cuBLAS)
-LINEAR_FORCE: "dict | None" = None
-_TUNE_MARGIN = 0.97                   # a Triton candidate must take < 97% of cuBLAS's time
 
 
 def linear_ref(x, w, b=None, gelu: "bool | str" = False):
@@ -1061,8 +1090,8 @@ if triton is not None:
 
 
 def _linear_block_n(N: int) -> int:
-    if LINEAR_BLOCK_N:
-        return LINEAR_BLOCK_N
+    if _ACTIVE.linear_block_n:
+        return _ACTIVE.linear_block_n
     for bn in (64, 32):
         if triton.cdiv(N, bn) >= 264:               # 2 programs per SM of an H200
             return bn
@@ -1090,12 +1119,12 @@ def _linear_triton(x, w, b, gelu, bn: int, bk: int, warps: int = 4, stages=None)
 
 
 def _prefetch_args(pdl: int, bn: int, k_len: int, w, budget: "int | None" = None) -> dict:
-    """PF_K / LINE of the linear kernels: PDL mode 3 prefetches about PDL_PREFETCH bytes of
+    """PF_K / LINE of the linear kernels: PDL mode 3 prefetches about `pdl_prefetch` bytes of
     each program's bn weight rows, at most its k_len columns (none for a weight read through
     its transpose, whose rows are not contiguous)."""
     line = 128 // w.element_size()
     pf = 0
-    budget = PDL_PREFETCH if budget is None else budget
+    budget = _ACTIVE.pdl_prefetch if budget is None else budget
     if pdl == 3 and budget > 0 and w.stride(-1) == 1:
         pf = _prefetch_count(min(k_len, budget // (bn * w.element_size())), line)
     return {"PF_K": pf, "LINE": line}
@@ -1117,15 +1146,11 @@ def _linear_parts(x, w, splits: int, bn: int, bk: int, warps: int = 4, stages=No
     return parts
 
 
-# False: no TMA candidates in "auto"'s race (the A/B switch of decode_bench's "notma")
-LINEAR_TMA = True
-
-
 def _tma_ok(x, w) -> bool:
     """Whether the TMA linear can read w: a Hopper+ GPU (or the interpreter), a 16-bit
     K-contiguous weight with 16-byte aligned rows and base (fp32 models keep the exact
     kernels)."""
-    if not (LINEAR_TMA and TensorDescriptor is not None and _triton_ok(x, w)):
+    if not (_ACTIVE.linear_tma and TensorDescriptor is not None and _triton_ok(x, w)):
         return False
     if w.dtype not in (torch.bfloat16, torch.float16) or w.stride(-1) != 1:
         return False
@@ -1160,7 +1185,8 @@ def _linear_tma(x, w, b, gelu, splits: int, swap: int, bn: int, bk: int, warps: 
         x.stride(0), w.stride(0), y.stride(-2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP=bool(swap), PARTS=parts, GATED=up is not None, X_TMA=x_tma,
         HAS_B=b is not None and not parts, GELU=0 if parts else _gelu_code(gelu), LIBDEVICE=not _interpreting(),
-        PDL=pdl, num_warps=warps, **_prefetch_args(pdl, bn, chunk, w, None if up is None else PDL_PREFETCH // 2),
+        PDL=pdl, num_warps=warps,
+        **_prefetch_args(pdl, bn, chunk, w, None if up is None else _ACTIVE.pdl_prefetch // 2),
         **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
     return y
 
@@ -1204,7 +1230,7 @@ def _gated_triton(x, wg, bg, wu, bu, bn: int, bk: int, warps: int = 4, stages=No
         x.stride(0), wg.stride(0), wg.stride(1), y.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk,
         HAS_B=bg is not None, LIBDEVICE=not _interpreting(), IEEE=x.dtype == torch.float32, PDL=pdl,
-        num_warps=warps, **_prefetch_args(pdl, bn, K, wg, PDL_PREFETCH // 2),
+        num_warps=warps, **_prefetch_args(pdl, bn, K, wg, _ACTIVE.pdl_prefetch // 2),
         **({"num_stages": stages} if stages else {}), **_pdl_launch(pdl))
     return y
 
@@ -1214,8 +1240,8 @@ def linear(x, w, b=None, gelu: "bool | str" = False):
     Triton kernel (the fixed LINEAR_* rule); anything else goes to `linear_ref`."""
     if not _triton_ok(x, w):
         return linear_ref(x, w, b, gelu)
-    return _linear_triton(x, w, b, gelu, _linear_block_n(w.shape[0]), LINEAR_BLOCK_K, LINEAR_WARPS,
-                          LINEAR_STAGES)
+    return _linear_triton(x, w, b, gelu, _linear_block_n(w.shape[0]), _ACTIVE.linear_block_k,
+                          _ACTIVE.linear_warps, _ACTIVE.linear_stages)
 
 
 # ---------------------------------------------------------------------------- per-shape choice
@@ -1315,8 +1341,8 @@ def _choose(key: tuple, run, w, tma: bool = False):
     over `_linear_candidates` (run(cfg, w) makes one call with weight w). While a graph is
     being captured nothing can be timed: cuBLAS for this call, and the choice is made at
     the next uncaptured call."""
-    if LINEAR_FORCE is not None:
-        return LINEAR_FORCE.get(key[1])
+    if _ACTIVE.linear_force is not None:
+        return dict(_ACTIVE.linear_force).get(key[1])
     if key in _CHOICE:
         return _CHOICE[key][1]
     w0 = w[0] if isinstance(w, tuple) else w
@@ -1342,7 +1368,7 @@ def _choose(key: tuple, run, w, tma: bool = False):
         cands = dict(cands, **_refined(triton_best, cands[triton_best], key[1] == "linear+norm"))
         race({n: c for n, c in cands.items() if n not in times})
     best = min(times, key=times.get)
-    if times[best] >= _TUNE_MARGIN * times["cublas"]:
+    if times[best] >= _ACTIVE.linear_tune_margin * times["cublas"]:
         best = "cublas"
     _CHOICE[key] = (best, cands[best])
     logger.info("decode linear %s: %s (%.1f us; cuBLAS %.1f us)", key[1:], best, times[best],
@@ -1388,11 +1414,6 @@ def linear_add_norm(a, w, b, r, nw, nb, eps: float, rms: bool, y2=None, second=N
     return run(_usable(_choose(key, run, w, tma), tma), w)
 
 
-# LLaMA-style blocks (SiLU) run act(gate(h)) * up(h) through `gated_mlp` (False: two tuned
-# linears, then PyTorch's SiLU and product; the A/B switch of decode_bench's "nogated")
-FUSE_GATED = True
-
-
 def gated_mlp(x, wg, bg, wu, bu):
     """`gated_ref` (SiLU(gate) * up): cuBLAS for each linear plus PyTorch's SiLU and product
     (four kernels), or one Triton kernel reading both weights, whichever "auto" timed
@@ -1415,9 +1436,6 @@ def gated_mlp(x, wg, bg, wu, bu):
 
 
 # ---------------------------------------------------------------------------- argmax
-
-TRITON_ARGMAX = True                  # False: torch's argmax in the decode step (A/B switch)
-
 
 def argmax_ref(x):
     return x.argmax(-1)

@@ -11,7 +11,11 @@ import torch
 import triton
 import triton.language as tl
 from transformers import AutoConfig, AutoModelForCausalLM
-from dschat.engine import decode, decode_triton as dt
+
+from dschat.engine import decode
+from dschat.engine import decode_triton as dt
+from dschat.engine.decode_triton import KernelOptions, use_options
+
 assert dt.available() and dt._interpreting()
 
 # kernels against their references: shapes with G = 1 (Bloom) and grouped queries
@@ -20,48 +24,51 @@ ALL_ATTN = ((1, False, False), (2, False, False), (4, False, False), (2, True, F
             (1, False, True), (4, False, True), (2, True, True))
 
 
-def check_attention(configs):
+def check_attention(configs, pv_low=False):
     """(splits, inline combine, tensor-core dots) each against the reference, with and
     without the fused K/V write; query positions at block and split edges."""
     for S, inline, dot in configs:
-        dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = S, inline, dot
-        for B, Hkv, G, D, L, Hb in [(2, 3, 1, 16, 200, 3), (2, 2, 4, 32, 130, 1)]:
-            for p in (0, 63, 64, L - 2, L - 1):
-                kv = torch.randn(B, Hkv, L, 2, D, generator=gen)
-                q = torch.randn(B, Hkv, G, D, generator=gen)
-                if p % 2:   # Bloom's fused qkv [B, H, 3, D] ...
-                    new = torch.randn(B, Hkv, 3, D, generator=gen)[:, :, 1:3]
-                else:       # ... and OPT's [B, 3, H, D]
-                    new = torch.randn(B, 3, Hkv, D, generator=gen)[:, 1:3].transpose(1, 2)
-                kb = torch.randn(B, Hb, L, generator=gen)
-                kb[0, :, :3] = torch.finfo(kb.dtype).min
-                pos = torch.tensor([p])
-                torch.testing.assert_close(dt.decode_attention(q, kv, kb, pos, 0.1),
-                                           dt.decode_attention_ref(q, kv, kb, pos, 0.1), atol=1e-5, rtol=1e-5)
-                kv_fused, kv_ref = kv.clone(), kv.clone()
-                got = dt.decode_attention(q, kv_fused, kb, pos, 0.1, new_kv=new)
-                dt.write_kv_ref(kv_ref, new, pos)
-                assert torch.equal(kv_fused, kv_ref), ("fused K/V write", S, B, G, p)
-                torch.testing.assert_close(got, dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1),
-                                           atol=1e-5, rtol=1e-5)
-                if p in (63, L - 2):
-                    # row 1's left padding skipped (key_start): bit for bit the same sums
-                    first = min(p, 150)
-                    kb[1, :, :first] = torch.finfo(kb.dtype).min
-                    ks = torch.tensor([3, first], dtype=torch.int32)
-                    kv_skip, kv_all = kv.clone(), kv.clone()
-                    got_skip = dt.decode_attention(q, kv_skip, kb, pos, 0.1, new_kv=new, key_start=ks)
-                    got_all = dt.decode_attention(q, kv_all, kb, pos, 0.1, new_kv=new)
-                    assert torch.equal(kv_skip, kv_all) and torch.equal(got_skip, got_all), ("skip", S, G, p)
-        if inline:   # the last arrival re-armed every counter
-            assert all(int(c.abs().sum()) == 0 for c in dt._COUNTERS.values()), dt._COUNTERS
-    dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = None, False, None
+        with use_options(KernelOptions(attn_splits=S, attn_inline_combine=inline, attn_dot=dot, attn_pv_low=pv_low)):
+            check_attention_one(S, inline)
+
+
+def check_attention_one(S, inline):
+    """One (splits, inline) configuration, in force: every shape and query position."""
+    for B, Hkv, G, D, L, Hb in [(2, 3, 1, 16, 200, 3), (2, 2, 4, 32, 130, 1)]:
+        for p in (0, 63, 64, L - 2, L - 1):
+            kv = torch.randn(B, Hkv, L, 2, D, generator=gen)
+            q = torch.randn(B, Hkv, G, D, generator=gen)
+            if p % 2:   # Bloom's fused qkv [B, H, 3, D] ...
+                new = torch.randn(B, Hkv, 3, D, generator=gen)[:, :, 1:3]
+            else:       # ... and OPT's [B, 3, H, D]
+                new = torch.randn(B, 3, Hkv, D, generator=gen)[:, 1:3].transpose(1, 2)
+            kb = torch.randn(B, Hb, L, generator=gen)
+            kb[0, :, :3] = torch.finfo(kb.dtype).min
+            pos = torch.tensor([p])
+            torch.testing.assert_close(dt.decode_attention(q, kv, kb, pos, 0.1),
+                                       dt.decode_attention_ref(q, kv, kb, pos, 0.1), atol=1e-5, rtol=1e-5)
+            kv_fused, kv_ref = kv.clone(), kv.clone()
+            got = dt.decode_attention(q, kv_fused, kb, pos, 0.1, new_kv=new)
+            dt.write_kv_ref(kv_ref, new, pos)
+            assert torch.equal(kv_fused, kv_ref), ("fused K/V write", S, B, G, p)
+            torch.testing.assert_close(got, dt.decode_attention_ref(q, kv_ref, kb, pos, 0.1),
+                                       atol=1e-5, rtol=1e-5)
+            if p in (63, L - 2):
+                # row 1's left padding skipped (key_start): bit for bit the same sums
+                first = min(p, 150)
+                kb[1, :, :first] = torch.finfo(kb.dtype).min
+                ks = torch.tensor([3, first], dtype=torch.int32)
+                kv_skip, kv_all = kv.clone(), kv.clone()
+                got_skip = dt.decode_attention(q, kv_skip, kb, pos, 0.1, new_kv=new, key_start=ks)
+                got_all = dt.decode_attention(q, kv_all, kb, pos, 0.1, new_kv=new)
+                assert torch.equal(kv_skip, kv_all) and torch.equal(got_skip, got_all), ("skip", S, G, p)
+    if inline:   # the last arrival re-armed every counter
+        assert all(int(c.abs().sum()) == 0 for c in dt._COUNTERS.values()), dt._COUNTERS
 
 
 check_attention(ALL_ATTN)
-dt.ATTN_PV_LOW = True        # the tensor-core kernel's p.V with p rounded to the cache dtype
-check_attention(((1, False, True), (2, True, True)))
-dt.ATTN_PV_LOW = False
+# the tensor-core kernel's p.V with p rounded to the cache dtype
+check_attention(((1, False, True), (2, True, True)), pv_low=True)
 
 
 def _no_reference(*args, **kwargs):
@@ -69,15 +76,14 @@ def _no_reference(*args, **kwargs):
 
 
 def check_padded_head_dim():
-    """Head dims that are not a power of two (ATTN_PAD_HEAD_DIM: one block of the next power
+    """Head dims that are not a power of two (attn_pad_head_dim: one block of the next power
     of two, extra lanes masked), through the kernel itself (the reference is disabled while it
     runs): plain, split (combine kernel and inline combine), fused K/V write, grouped queries."""
-    dt.ATTN_PAD_HEAD_DIM = True
     ref, write = dt.decode_attention_ref, dt.write_kv_ref
     for (S, inline, dot), (B, Hkv, G, D, L, Hb) in itertools.product(
             ((1, False, False), (2, False, False), (2, True, False), (2, True, True)),
             ((2, 3, 1, 24, 150, 3), (2, 2, 4, 40, 130, 1))):
-        dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = S, inline, dot
+        opts = KernelOptions(attn_splits=S, attn_inline_combine=inline, attn_dot=dot, attn_pad_head_dim=True)
         for p in (0, 64, L - 1):
             kv = torch.randn(B, Hkv, L, 2, D, generator=gen)
             q = torch.randn(B, Hkv, G, D, generator=gen)
@@ -89,15 +95,15 @@ def check_padded_head_dim():
             want_plain, want_fused = ref(q, kv, kb, pos, 0.1), ref(q, kv_ref, kb, pos, 0.1)
             dt.decode_attention_ref = dt.write_kv_ref = _no_reference
             try:
-                got_plain = dt.decode_attention(q, kv, kb, pos, 0.1)
-                kv_fused = kv.clone()
-                got_fused = dt.decode_attention(q, kv_fused, kb, pos, 0.1, new_kv=new)
+                with use_options(opts):
+                    got_plain = dt.decode_attention(q, kv, kb, pos, 0.1)
+                    kv_fused = kv.clone()
+                    got_fused = dt.decode_attention(q, kv_fused, kb, pos, 0.1, new_kv=new)
             finally:
                 dt.decode_attention_ref, dt.write_kv_ref = ref, write
             torch.testing.assert_close(got_plain, want_plain, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got_fused, want_fused, atol=1e-5, rtol=1e-5)
             assert torch.equal(kv_fused, kv_ref), ("padded fused K/V write", S, D, p)
-    dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT, dt.ATTN_PAD_HEAD_DIM = None, False, None, True
 
 
 check_padded_head_dim()
@@ -154,34 +160,31 @@ def check_linears():
             x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen) / K ** 0.5
             b = torch.randn(N, generator=gen) if bias else None
             for bn in (16, 32):
-                dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K = bn, 32
-                torch.testing.assert_close(dt.linear(x, w, b, gelu), dt.linear_ref(x, w, b, gelu),
-                                           atol=1e-4, rtol=1e-4)
-    dt.LINEAR_BLOCK_N, dt.LINEAR_BLOCK_K = None, 128
+                with use_options(KernelOptions(linear_block_n=bn, linear_block_k=32)):
+                    torch.testing.assert_close(dt.linear(x, w, b, gelu), dt.linear_ref(x, w, b, gelu),
+                                               atol=1e-4, rtol=1e-4)
     # a Conv1D weight [K, N] read through its transpose (GPT-2), exact GELU in the epilogue
     for M, N, K in [(3, 40, 70), (16, 96, 256)]:
         x, w = torch.randn(M, K, generator=gen), torch.randn(K, N, generator=gen).t() / K ** 0.5
         b = torch.randn(N, generator=gen)
         for gelu, cfg in itertools.product((False, "erf"), [(16, 32), (64, 32, 4, 2)]):
-            dt.LINEAR_FORCE = {"linear": cfg}
-            torch.testing.assert_close(dt.tuned_linear(x, w, b, gelu=gelu), dt.linear_ref(x, w, b, gelu),
-                                       atol=1e-4, rtol=1e-4)
+            with use_options(KernelOptions(linear_force={"linear": cfg})):
+                torch.testing.assert_close(dt.tuned_linear(x, w, b, gelu=gelu), dt.linear_ref(x, w, b, gelu),
+                                           atol=1e-4, rtol=1e-4)
         r, nw, nb = torch.randn(M, N, generator=gen), torch.randn(N, generator=gen), torch.randn(N, generator=gen)
-        dt.LINEAR_FORCE = {"linear+norm": (2, 16, 32)}
-        for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False),
-                        dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)):
-            torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
-    dt.LINEAR_FORCE = None
+        with use_options(KernelOptions(linear_force={"linear+norm": (2, 16, 32)})):
+            for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False),
+                            dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)):
+                torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
     # LLaMA's SiLU(gate) * up in one kernel reading both weights
     for M, N, K in [(3, 40, 70), (16, 96, 256)]:
         x = torch.randn(M, K, generator=gen)
         wg, wu = (torch.randn(N, K, generator=gen) / K ** 0.5 for _ in range(2))
         for bias, cfg in itertools.product((False, True), [(16, 32), (32, 64, 4, 2)]):
             bg, bu = (torch.randn(N, generator=gen), torch.randn(N, generator=gen)) if bias else (None, None)
-            dt.LINEAR_FORCE = {"gated": cfg}
-            torch.testing.assert_close(dt.gated_mlp(x, wg, bg, wu, bu), dt.gated_ref(x, wg, bg, wu, bu),
-                                       atol=1e-4, rtol=1e-4)
-    dt.LINEAR_FORCE = None
+            with use_options(KernelOptions(linear_force={"gated": cfg})):
+                torch.testing.assert_close(dt.gated_mlp(x, wg, bg, wu, bu), dt.gated_ref(x, wg, bg, wu, bu),
+                                           atol=1e-4, rtol=1e-4)
     y = torch.randn(5, 333, generator=gen) * 3         # GPT-2's gelu_new, Bloom's GELU in one kernel
     torch.testing.assert_close(dt.new_gelu(y), dt.new_gelu_ref(y), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dt.hf_gelu(y), dt.hf_gelu_ref(y), atol=1e-5, rtol=1e-5)
@@ -194,12 +197,12 @@ def check_linears():
                 r, nw, nb = torch.randn(M, N, generator=gen), torch.randn(N, generator=gen), \
                     None if rms else torch.randn(N, generator=gen)
                 want = dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, rms)
-                dt.LINEAR_FORCE = {"linear+norm": (splits, bn, bk, *ws), "linear": (bn, bk, *ws)}
-                for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, rms), want):
-                    torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(dt.tuned_linear(x, w, b), dt.linear_ref(x, w, b),
-                                           atol=1e-4, rtol=1e-4)
-    dt.LINEAR_FORCE = None
+                force = {"linear+norm": (splits, bn, bk, *ws), "linear": (bn, bk, *ws)}
+                with use_options(KernelOptions(linear_force=force)):
+                    for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, rms), want):
+                        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(dt.tuned_linear(x, w, b), dt.linear_ref(x, w, b),
+                                               atol=1e-4, rtol=1e-4)
     # the TMA linear (16-bit weights; tiles by Hopper's tensor memory accelerator) in both
     # orientations, with bias and either GELU, from an x whose rows TMA cannot address (read
     # by pointer), and as split-K partials into the add+norm kernel; against the same ops in
@@ -212,26 +215,25 @@ def check_linears():
         x_odd = torch.randn(M, K + 3, generator=gen).to(bf)[:, :K]      # rows 2 (K + 3) bytes apart
         assert dt._tma_ok(x, w)
         for xx, gelu in ((x, False), (x, "tanh"), (x_odd, "erf")):
-            dt.LINEAR_FORCE = {"linear": ("tma", 1, swap, bn, bk)}
-            torch.testing.assert_close(dt.tuned_linear(xx, w, b, gelu=gelu).float(),
-                                       dt.linear_ref(xx, w, b, gelu).float(), atol=4e-2, rtol=2e-2)
+            with use_options(KernelOptions(linear_force={"linear": ("tma", 1, swap, bn, bk)})):
+                torch.testing.assert_close(dt.tuned_linear(xx, w, b, gelu=gelu).float(),
+                                           dt.linear_ref(xx, w, b, gelu).float(), atol=4e-2, rtol=2e-2)
         r, nw, nb = (torch.randn(*s, generator=gen).to(bf) for s in ((M, N), (N,), (N,)))
         want = dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)
         for splits in (1, 3):
-            dt.LINEAR_FORCE = {"linear+norm": ("tma", splits, swap, bn, bk)}
-            for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
-                torch.testing.assert_close(a.float(), e.float(), atol=8e-2, rtol=2e-2)
+            with use_options(KernelOptions(linear_force={"linear+norm": ("tma", splits, swap, bn, bk)})):
+                for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
+                    torch.testing.assert_close(a.float(), e.float(), atol=8e-2, rtol=2e-2)
         # a weight TMA cannot address (base 2 bytes off 16) gets cuBLAS's path, not a TMA launch
         w_odd = torch.empty(N * K + 1, dtype=bf)[1:].view(N, K).copy_(w)
         assert not dt._tma_ok(x, w_odd)
-        dt.LINEAR_FORCE = {"linear": ("tma", 1, swap, bn, bk)}
-        assert torch.equal(dt.tuned_linear(x, w_odd, b), dt.linear_ref(x, w_odd, b))
+        with use_options(KernelOptions(linear_force={"linear": ("tma", 1, swap, bn, bk)})):
+            assert torch.equal(dt.tuned_linear(x, w_odd, b), dt.linear_ref(x, w_odd, b))
         u = (torch.randn(N, K, generator=gen) / K ** 0.5).to(bf)             # LLaMA's gate and up
         for xx, bias in ((x, None), (x_odd, b)):
-            dt.LINEAR_FORCE = {"gated": ("tma", 1, swap, bn, bk)}
-            torch.testing.assert_close(dt.gated_mlp(xx, w, bias, u, bias).float(),
-                                       dt.gated_ref(xx, w, bias, u, bias).float(), atol=8e-2, rtol=2e-2)
-    dt.LINEAR_FORCE = None
+            with use_options(KernelOptions(linear_force={"gated": ("tma", 1, swap, bn, bk)})):
+                torch.testing.assert_close(dt.gated_mlp(xx, w, bias, u, bias).float(),
+                                           dt.gated_ref(xx, w, bias, u, bias).float(), atol=8e-2, rtol=2e-2)
 
 
 @triton.jit
@@ -240,7 +242,7 @@ def _no_wait(PDL: tl.constexpr):
 
 
 check_linears()
-# again in the programmatic-dependent-launch layout (dt.PDL = 2: the linears read their first
+# again in the programmatic-dependent-launch layout (PDL mode 2: the linears read their first
 # weight tile before the grid-dependency wait); the interpreter has no grid dependency
 # control, so the wait is a no-op here and the kernels' arithmetic is what is checked
 real = dt._pdl_enter, dt._pdl_mode, dt._pdl_launch
@@ -266,13 +268,12 @@ CONFIGS = {
     # partial rotary, parallel residual; q and the new K/V read from the QKV output in place
     "gpt_neox": dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=128, rotary_pct=0.25, initializer_range=0.5),
-    # head_dim 20, not a power of two: decoded with ATTN_PAD_HEAD_DIM on (see the loop)
+    # head_dim 20, not a power of two: decoded with attn_pad_head_dim on (the default)
     "bloom-hd20": dict(vocab_size=300, hidden_size=40, n_layer=2, n_head=2, initializer_range=0.5),
     # Conv1D weights read through transposed views (the linears stay in PyTorch)
     "gpt2": dict(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5),
 }
 for family, kwargs in CONFIGS.items():
-    dt.ATTN_PAD_HEAD_DIM = True           # the default; bloom-hd20 goes through it
     cfg = AutoConfig.for_model(family.split("-")[0], **kwargs)
     cfg.pad_token_id, cfg.eos_token_id = 0, 1
     torch.manual_seed(0)
@@ -289,11 +290,11 @@ for family, kwargs in CONFIGS.items():
         want = model.generate(ids, attention_mask=mask, do_sample=False, **kw)
     outs = {}
     for fused in (False, True):
-        dt.FUSE_KV_WRITE = fused
         # the fused run also takes the split programs' inline combine and the tensor-core dots
-        dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = (2, True, True) if fused else (None, False, None)
+        opts = KernelOptions(fuse_kv_write=True, attn_splits=2, attn_inline_combine=True, attn_dot=True) if fused \
+            else KernelOptions(fuse_kv_write=False)
         fg = decode.FastGenerator(model, max_prompt_len=12, max_new_tokens=10, attn_impl="triton",
-                                  use_triton=True)
+                                  use_triton=True, kernel_options=opts)
         steps = []
         fg.step_callback = lambda s, logits: steps.append(logits.clone())
         outs[fused] = (fg.generate(ids, mask, **kw), torch.stack(steps))
@@ -302,11 +303,10 @@ for family, kwargs in CONFIGS.items():
     # Triton for plain linears and split-K partials summed by the add+norm kernel
     for lin_mode, force in ([(True, None)] if family == "bloom" else []) + [
             ("auto", {"linear": (16, 32), "linear+norm": (2, 16, 32), "gated": (16, 32)})]:
-        dt.DECODE_LINEAR, dt.LINEAR_FORCE = lin_mode, force
         fg = decode.FastGenerator(model, max_prompt_len=12, max_new_tokens=10, attn_impl="triton",
-                                  use_triton=True)
+                                  use_triton=True,
+                                  kernel_options=KernelOptions(decode_linear=lin_mode, linear_force=force))
         got = fg.generate(ids, mask, **kw)
-        dt.DECODE_LINEAR, dt.LINEAR_FORCE = "auto", None
         print(family, "Triton linears", lin_mode, "tokens equal HF:", torch.equal(got, want))
         assert torch.equal(got, want), (family, lin_mode)
     a, b = outs[True][1], outs[False][1]
@@ -315,6 +315,4 @@ for family, kwargs in CONFIGS.items():
     print(family, "max logit diff fused vs not:", (a[fin] - b[fin]).abs().max().item())
     assert torch.equal(outs[True][0], want) and torch.equal(outs[False][0], want), family
     assert len(set(want[:, 12:].flatten().tolist())) > 3, "degenerate continuation"
-dt.FUSE_KV_WRITE, dt.ATTN_SPLITS, dt.ATTN_INLINE_COMBINE, dt.ATTN_DOT = False, None, False, None
-dt.ATTN_PAD_HEAD_DIM = True
 print("OK")
