@@ -8,7 +8,10 @@ Builds a random-init actor (the preset's shape) and a random reward model on its
 writes prompts of exactly --prompt_len tokens, then runs training/step3_rlhf_finetuning/main.py
 once per mode through the deepspeed launcher with actor and critic both at ZeRO-3 (reference
 and reward too, except in the "frozen unsharded" mode), answers forced to --answer_len tokens.
-Steady-state numbers skip the first --warmup steps.
+Steady-state numbers skip the first --warmup steps. A second table splits the step into
+its phases (generation, scoring by each model, each engine's forward / backward / optimizer
+step: the trainer's time/<phase>_s, synchronized on CUDA), and on CUDA a third gives each
+phase's peak allocated memory (memory/<phase>_peak_gib), both steady-state means.
 """
 import argparse
 import json
@@ -53,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="Append the table (markdown) to this file.")
     p.add_argument("--profile_step", type=int, default=0,
                    help="Pass --profile_step to every mode; its table is copied beside --out "
-                        "(or into <workdir>/<preset>) as step3_profile_<mode>.txt.")
+                        "(or into <workdir>/<preset>) as step3_profile_<mode>.txt, and on CUDA its memory "
+                        "snapshot as step3_memory_snapshot_<mode>.pickle (https://pytorch.org/memory_viz).")
     return p.parse_args(argv)
 
 
@@ -121,11 +125,49 @@ def run_mode(mode, args, actor, critic, prompts, workdir) -> list[dict]:
         print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
         return []
     table = out / "profile" / f"step_{args.profile_step}.txt"
+    snapshot = out / "profile" / f"memory_snapshot_step{args.profile_step}.pickle"
+    dest = Path(args.out).parent if args.out else workdir
+    name = mode.replace(' ', '_').replace(',', '')
     if args.profile_step and table.exists():
-        dest = Path(args.out).parent if args.out else workdir
         dest.mkdir(parents=True, exist_ok=True)
-        (dest / f"step3_profile_{mode.replace(' ', '_').replace(',', '')}.txt").write_text(table.read_text())
+        (dest / f"step3_profile_{name}.txt").write_text(table.read_text())
+    if args.profile_step and snapshot.exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(snapshot, dest / f"step3_memory_snapshot_{name}.pickle")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def phase_means(steady: list[dict]) -> dict:
+    """Steady-state mean of every phase key (time/<phase>_s, memory/<phase>_peak_gib) the
+    rows hold, over the rows that hold it."""
+    from dschat.rlhf.trainer import STEP3_PHASES
+    out = {}
+    for phase in STEP3_PHASES:
+        for key in (f"time/{phase}_s", f"memory/{phase}_peak_gib"):
+            values = [r[key] for r in steady if key in r]
+            if values:
+                out[key] = sum(values) / len(values)
+    return out
+
+
+def phase_tables(results: dict) -> list[str]:
+    """Markdown lines: seconds per phase for every mode, then (CUDA runs) peak GiB per phase;
+    a phase that no mode ran has no column, one a mode did not run is '-'."""
+    from dschat.rlhf.trainer import STEP3_PHASES
+    tables = (("time/{}_s", "{:.3f}", "seconds per phase, synchronized on CUDA (gen within 'generation s', "
+                                      "score_* within 'scoring s', the rest within 'training s')"),
+              ("memory/{}_peak_gib", "{:.2f}", "peak GiB allocated per phase (CUDA)"))
+    lines = []
+    for key, fmt, title in tables:
+        phases = [p for p in STEP3_PHASES if any(r and key.format(p) in r["phases"] for r in results.values())]
+        if not phases:
+            continue
+        lines += ["", title, "", "| mode | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+        for mode, r in results.items():
+            got = r["phases"] if r else {}
+            cells = [fmt.format(got[key.format(p)]) if key.format(p) in got else "-" for p in phases]
+            lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv=None):
@@ -147,6 +189,7 @@ def main(argv=None):
         results[mode] = {k: mean(k) for k in ("time/step_s", "time/generate_s", "time/score_s", "time/train_s",
                                               "gen/fill_seconds", "memory/peak_gib")}
         results[mode]["samples_per_s"] = args.batch * args.num_gpus / results[mode]["time/step_s"]
+        results[mode]["phases"] = phase_means(steady)
         results[mode]["steps"] = len(rows)
         results[mode]["left_gathered_max"] = max(r.get("zero/params_left_gathered", 0) for r in rows)
         results[mode]["reward_first_last"] = (rows[0].get("ppo/reward_mean"), rows[-1].get("ppo/reward_mean"))
@@ -167,6 +210,7 @@ def main(argv=None):
         lines.append(f"| {mode} | {r['time/step_s']:.2f} | {r['time/generate_s']:.2f} | {r['time/score_s']:.2f} | "
                      f"{r['time/train_s']:.2f} | {r['gen/fill_seconds']:.3f} | {r['samples_per_s']:.2f} | "
                      f"{ratio:.2f} | {r['memory/peak_gib']:.1f} | {r['steps']} | {int(r['left_gathered_max'])} |")
+    lines += phase_tables(results)
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:

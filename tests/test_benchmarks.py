@@ -64,9 +64,18 @@ def test_step3_benchmark_runs_and_a_rerun_counts_only_its_own_steps(tmp_path):
     for steps in (2, 1):
         out = tmp_path / f"step3_{steps}.md"
         run_python(REPO / "benchmarks" / "step3.py", args + ["--steps", steps, "--out", out], timeout=600)
-        row = next(line for line in out.read_text().splitlines() if line.startswith("| ours fast |"))
+        lines = out.read_text().splitlines()
+        row = next(line for line in lines if line.startswith("| ours fast |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[-2:] == [str(steps), "0"], row       # steps done, params left gathered
+        # the second table: seconds per phase (no per-phase memory on CPU)
+        header = next(line for line in lines if line.startswith("| mode | gen |"))
+        phases = [c.strip() for c in header.strip("|").split("|")][1:]
+        assert phases == ["gen", "score_actor", "score_ref", "score_reward", "score_critic", "actor_fwd",
+                          "actor_bwd", "actor_step", "critic_fwd", "critic_bwd", "critic_step"], header
+        seconds = [line for line in lines if line.startswith("| ours fast |")][1]
+        assert all(float(c) >= 0 for c in seconds.strip("|").split("|")[1:]), seconds
+        assert not any("peak GiB allocated per phase" in line for line in lines)
     assert (tmp_path / "work" / "tiny-bloom" / "actor" / "config.json").exists()
 
 

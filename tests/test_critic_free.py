@@ -22,6 +22,7 @@ from dschat.rlhf.trainer import PPOConfig, PPOTrainer, RewardFn
 from dschat.utils.metrics import read_metrics
 from tests.dist.resume_utils import launch, make_step3_models
 from tests.dist_utils import REPO
+from tests.test_step3 import CRITIC_PHASES, PPO_PHASES, check_phases
 
 STEP3 = REPO / "training" / "step3_rlhf_finetuning" / "main.py"
 
@@ -317,8 +318,14 @@ def test_each_algorithm_runs_and_saves_the_actor_only_critic_free(setup, tmp_pat
         assert rows[0]["ppo/kl_coef"] == 0.1 and rows[1]["ppo/kl_coef"] != 0.1     # adaptive
     if algorithm == "grpo":
         assert "ppo/kl_loss" in rows[-1] and "ppo/critic_loss" not in rows[-1]
+        # per-phase seconds: the rewards come from the function alone, and nothing of a critic
+        check_phases(rows, ("gen", "score_actor", "score_ref", "score_reward", "actor_fwd", "actor_bwd",
+                            "actor_step"), absent=CRITIC_PHASES)
     if algorithm == "ppo":
         assert "ppo/critic_loss" in rows[-1] and "ppo/value_mean" in rows[-1]
+        check_phases(rows, PPO_PHASES)
+    if algorithm == "rloo":
+        check_phases(rows, ("gen", "score_actor", "score_reward"), absent=("score_ref",) + CRITIC_PHASES)
 
 
 def test_filter_groups_refills_when_some_groups_are_constant(setup, tmp_path):

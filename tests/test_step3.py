@@ -43,6 +43,24 @@ def dumped(out):
     return [json.loads(line) for line in (Path(out) / "gen.jsonl").read_text().splitlines()]
 
 
+PPO_PHASES = ("gen", "score_actor", "score_ref", "score_reward", "score_critic", "actor_fwd", "actor_bwd",
+              "actor_step", "critic_fwd", "critic_bwd", "critic_step")
+CRITIC_PHASES = ("score_critic", "critic_fwd", "critic_bwd", "critic_step")
+
+
+def check_phases(rows, phases, absent=()):
+    """Every row holds time/<phase>_s >= 0 of each phase and none of `absent`; no per-phase
+    memory on CPU; the scoring phases fit inside time/score_s (they are nested in it)."""
+    for r in rows:
+        for phase in phases:
+            assert r[f"time/{phase}_s"] >= 0, (r["step"], phase)
+        for phase in absent:
+            assert f"time/{phase}_s" not in r, (r["step"], phase)
+        assert not [k for k in r if k.startswith("memory/") and k != "memory/peak_gib"], r   # CPU: seconds only
+        scoring = sum(v for k, v in r.items() if k.startswith("time/score_") and k != "time/score_s")
+        assert scoring <= r["time/score_s"] + 0.01, (r["step"], scoring, r["time/score_s"])
+
+
 def test_twenty_ppo_steps_zero3_hybrid_engine(sft_and_rm, tmp_path):
     run_deepspeed(STEP3, step3_args(sft_and_rm, tmp_path, 20, ["--enable_hybrid_engine", "--enable_ema"]))
     rows = read_metrics(tmp_path / "metrics.jsonl")
@@ -53,6 +71,7 @@ def test_twenty_ppo_steps_zero3_hybrid_engine(sft_and_rm, tmp_path):
                 "ppo/actor_clip_frac", "ppo/actor_loss", "ppo/critic_loss", "time/generate_s", "time/score_s",
                 "time/train_s", "memory/peak_gib"):
         assert key in rows[-1], key
+    check_phases(rows, PPO_PHASES, absent=("ptx_fwd", "ptx_bwd", "ptx_step"))
     # every rank generates for its own prompts
     by_step = defaultdict(lambda: defaultdict(set))
     for row in dumped(tmp_path):
@@ -119,9 +138,9 @@ def test_unsharded_frozen_models_score_like_zero3_ones(sft_and_rm, tmp_path):
     the same answers, rewards, KL and losses as the default (frozen models at ZeRO-3)."""
     sharded, whole = tmp_path / "sharded", tmp_path / "whole"
     run_deepspeed(STEP3, step3_args(sft_and_rm, sharded, 3, ["--enable_hybrid_engine"]))
-    run_deepspeed(STEP3, step3_args(sft_and_rm, whole, 3, ["--enable_hybrid_engine", "--reference_zero_stage", "0",
-                                                            "--reward_zero_stage", "0", "--enable_ema",
-                                                            "--profile_step", "2"]))
+    proc = run_deepspeed(STEP3, step3_args(sft_and_rm, whole, 3, ["--enable_hybrid_engine", "--reference_zero_stage",
+                                                                   "0", "--reward_zero_stage", "0", "--enable_ema",
+                                                                   "--profile_step", "2"]))
     key = lambda r: (r["step"], r["rank"], r["prompt"])  # noqa: E731
     assert {key(r): r["answer"] for r in dumped(sharded)} == {key(r): r["answer"] for r in dumped(whole)}
     a, b = read_metrics(sharded / "metrics.jsonl"), read_metrics(whole / "metrics.jsonl")
@@ -138,6 +157,9 @@ def test_unsharded_frozen_models_score_like_zero3_ones(sft_and_rm, tmp_path):
         assert phase in table, phase
     assert (whole / "profile" / "step_2.trace.json").stat().st_size > 0
     assert not (whole / "profile" / "step_1.txt").exists()
+    # a torch memory snapshot needs CUDA: said once, none written
+    assert (proc.stdout + proc.stderr).count("memory snapshots need CUDA") == 1
+    assert not list((whole / "profile").glob("*.pickle"))
 
 
 def test_bf16_actor_and_critic_at_zero3(sft_and_rm, tmp_path):

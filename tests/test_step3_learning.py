@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from dschat.utils.metrics import read_metrics
 from tests.dist.resume_utils import launch, make_step3_models
 from tests.dist_utils import REPO
+from tests.test_step3 import PPO_PHASES, check_phases
 
 PROBE = REPO / "tests" / "dist" / "step3_probe.py"
 DROPOUT = {"dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1}
@@ -107,6 +109,10 @@ def test_ptx_rows_once_per_epoch_one_step_per_ppo_step_and_schedule_length(model
                     assert Counter(map(tuple, r["trained"])) == Counter({tuple(row): 2 for row in r["given"]})
             if name != "small_gen":
                 assert steps["actor_gas"] == 2 * gas
+    # the ptx loss's forward, backward and step are phases of their own (time/ptx_*_s)
+    check_phases(read_metrics(tmp_path / "gas1" / "metrics.jsonl"), PPO_PHASES + ("ptx_fwd", "ptx_bwd", "ptx_step"))
+    check_phases(read_metrics(tmp_path / "small_gen" / "metrics.jsonl"), PPO_PHASES,
+                 absent=("ptx_fwd", "ptx_bwd", "ptx_step"))
 
 
 def test_ema_of_a_lora_actor_averages_its_merged_weights(models, tmp_path):

@@ -24,6 +24,17 @@ from dschat.rlhf.experience import Experience
 from dschat.rlhf.reward_fn import RewardFunctionError, combine_rewards, score
 from dschat.utils import dist
 from dschat.utils.logging import print_rank_0
+from dschat.utils.phases import PhaseTimer
+
+# The phases of a step 3 step, in order (time/<phase>_s; on CUDA memory/<phase>_peak_gib):
+# generation, the experience's scoring by each model (score_reward: the rewards, reward model
+# and/or --reward_fn functions), then per PPO micro-batch each engine's forward (with its
+# loss), backward and optimizer step (ptx_*: the ptx loss's, with --unsupervised_dataset_name;
+# the actor's accumulation window then closes in ptx_step). A phase is logged only where it
+# ran: no critic_* / score_critic without a critic, no score_ref without a reference model.
+STEP3_PHASES = ("gen", "score_actor", "score_ref", "score_reward", "score_critic",
+                "actor_fwd", "actor_bwd", "actor_step", "critic_fwd", "critic_bwd", "critic_step",
+                "ptx_fwd", "ptx_bwd", "ptx_step")
 
 
 @dataclass
@@ -123,6 +134,8 @@ class PPOTrainer:
         self.kl_ctl = (est.AdaptiveKLController(c.kl_ctl, c.kl_target, c.kl_horizon) if c.kl_target
                        else est.FixedKLController(c.kl_ctl))
         self.rollout_stats: dict = {}   # this rank's counters of the last rollout(s), for metrics
+        # seconds and peak memory of each phase (STEP3_PHASES) since the last `phases.reset()`
+        self.phases = PhaseTimer(engines.actor.device)
 
     # ------------------------------------------------------------------ experience
     @torch.no_grad()
@@ -158,7 +171,7 @@ class PPOTrainer:
             if fields is not None:
                 fields = [f for f in fields for _ in range(n)]
         start = time.time()
-        with record_function("dschat/generate"):
+        with record_function("dschat/generate"), self.phases.phase("gen"):
             seq = self.e.hybrid.generate(
                 prompts, prompt_mask, max_new_tokens=self.cfg.max_answer_seq_len,
                 min_new_tokens=self.cfg.min_answer_seq_len, do_sample=self.cfg.do_sample,
@@ -185,19 +198,20 @@ class PPOTrainer:
 
         start = time.time()
         keep = seq.shape[1] - P + 1      # the LM head runs on the answer-predicting columns only
-        with record_function("dschat/score/actor"):
+        with record_function("dschat/score/actor"), self.phases.phase("score_actor"):
             logits = self.e.hybrid.logits(seq, attention_mask, keep_last=keep)
             logprobs = pm.gather_log_probs(_answer_logits(logits, seq, P), pm.answer_tokens(seq, P))
             del logits
         if self.e.ref is not None:
-            with record_function("dschat/score/reference"), torch.no_grad():
+            with record_function("dschat/score/reference"), torch.no_grad(), self.phases.phase("score_ref"):
                 ref_logprobs, _ = self._answer_logprobs(self.e.ref, seq, attention_mask, P)
         else:  # --kl_ctl 0: no reference model; the KL is 0
             ref_logprobs = logprobs.clone()
-        reward, valid = self.score(seq, attention_mask, prompt_mask, answer_tokens, P, fields, timings)
+        with self.phases.phase("score_reward"):
+            reward, valid = self.score(seq, attention_mask, prompt_mask, answer_tokens, P, fields, timings)
         action_mask = action_mask * valid.unsqueeze(1).long()   # --skip_bad_rewards: no loss on those
         if self.e.critic is not None:
-            with record_function("dschat/score/critic"):
+            with record_function("dschat/score/critic"), self.phases.phase("score_critic"):
                 values = self.e.critic.module.forward_value(seq, attention_mask, return_value_only=True)
                 values = pm.answer_slice(values, P).float()
         else:
@@ -384,7 +398,7 @@ class PPOTrainer:
         c = self.cfg
         self.train()
         # the same positions as generation and the experience pass (left-padded prompts)
-        with record_function("dschat/train/actor_forward"):
+        with record_function("dschat/train/actor_forward"), self.phases.phase("actor_fwd"):
             logprobs, entropy = self._answer_logprobs(self.e.actor, exp.seq, exp.attention_mask, P,
                                                       with_entropy=True)
             if c.clip_low == c.clip_high == c.cliprange and c.loss_agg == "token_mean":
@@ -410,7 +424,7 @@ class PPOTrainer:
         if self.e.critic is None:
             return stats
 
-        with record_function("dschat/train/critic_forward"):
+        with record_function("dschat/train/critic_forward"), self.phases.phase("critic_fwd"):
             values = self.e.critic.module.forward_value(exp.seq, exp.attention_mask, return_value_only=True)
             values = pm.answer_slice(values, P)
             c_loss, c_clip = pm.critic_loss(values, exp.values, exp.returns, exp.action_mask,
@@ -427,26 +441,29 @@ class PPOTrainer:
         optimizer step together, as upstream.
         """
         self.e.actor.train()
-        logits = self.e.actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              use_cache=False).logits
-        tokens = (batch["labels"][:, 1:] != -100).sum().clamp(min=1)
-        loss = lm_loss_sum(logits, batch["labels"]) / tokens
+        with record_function("dschat/train/ptx_forward"), self.phases.phase("ptx_fwd"):
+            logits = self.e.actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                  use_cache=False).logits
+            tokens = (batch["labels"][:, 1:] != -100).sum().clamp(min=1)
+            loss = lm_loss_sum(logits, batch["labels"]) / tokens
         # A skipped PPO update rewound the accumulation window: this ptx backward would
         # start the next one and put the optimizer step between PPO and ptx from then on.
         if self._actor_updated:
-            self._update("unsup", loss, self.e.actor, weight=self.cfg.unsup_coef)
+            self._update("unsup", loss, self.e.actor, weight=self.cfg.unsup_coef, phase="ptx")
         return loss.detach()
 
-    def _update(self, name: str, loss: torch.Tensor, engine, weight: float = 1.0) -> bool:
+    def _update(self, name: str, loss: torch.Tensor, engine, weight: float = 1.0, phase: Optional[str] = None) -> bool:
         """Backward and optimizer step of `engine` on `loss` (times `weight`), unless the
         update guard skips it (it sees the unweighted loss as f"{name}_loss"). `engine.step()`
         only steps the optimizer (and LR schedule) at the end of an accumulation window.
+        Timed as phases f"{phase}_bwd" and f"{phase}_step" (`phase` defaults to `name`).
         Returns whether the update ran."""
         if self.update_guard is not None and not self.update_guard(f"{name}_loss", loss, engine):
             return False
-        with record_function(f"dschat/train/{name}_backward"):
+        phase = phase or name
+        with record_function(f"dschat/train/{name}_backward"), self.phases.phase(f"{phase}_bwd"):
             engine.backward(loss if weight == 1.0 else weight * loss)
-        with record_function(f"dschat/train/{name}_step"):
+        with record_function(f"dschat/train/{name}_step"), self.phases.phase(f"{phase}_step"):
             engine.step()
         return True
 

@@ -171,9 +171,27 @@ def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_PEAK_BEFORE_RESET: dict = {}   # CUDA device index -> the most bytes allocated before the last reset_peak_memory
+
+
+def _cuda_index(device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Restart CUDA's peak-allocated counter (the peak of one phase, dschat/utils/phases.py)
+    while `peak_memory_gib` still reports the run's peak."""
+    index = _cuda_index(device)
+    _PEAK_BEFORE_RESET[index] = max(_PEAK_BEFORE_RESET.get(index, 0), torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_gib(device: torch.device) -> float:
+    """The most memory allocated so far in the run: CUDA's allocator on GPU (across
+    `reset_peak_memory` calls), the process's peak resident set on CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+        return max(_PEAK_BEFORE_RESET.get(_cuda_index(device), 0), torch.cuda.max_memory_allocated(device)) / 2 ** 30
     try:
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB

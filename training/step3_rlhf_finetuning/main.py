@@ -12,6 +12,14 @@ rollout into a persistent inference replica by the shared gather scheduler, gene
 runs on the replica, and training goes on with ZeRO's own hooks. Writes actor/, critic/
 (and actor_ema/) under --output_dir, with metrics.jsonl and the resolved configuration.
 
+metrics.jsonl splits each step into phases (rank 0's): time/<phase>_s for gen, score_actor,
+score_ref, score_reward (reward model and/or --reward_fn), score_critic, actor_fwd /
+actor_bwd / actor_step, critic_fwd / critic_bwd / critic_step and ptx_fwd / ptx_bwd /
+ptx_step, each only where it ran (no critic_* for critic-free algorithms), summed over the
+step's PPO micro-batches and epochs; on CUDA synchronized at each phase's ends, plus
+memory/<phase>_peak_gib, the most memory allocated inside the phase (CPU runs: seconds only).
+The coarse time/generate_s, time/score_s and time/train_s stay as before.
+
 Critic-free RL (no critic engine, optimizer or critic/ folder), e.g. GRPO on a verifiable task:
 
     deepspeed training/step3_rlhf_finetuning/main.py --algorithm grpo --n_samples_per_prompt 8 \
@@ -441,6 +449,7 @@ def main(argv=None):
             if step >= total_steps:
                 break
             step_start = time.time()
+            trainer.phases.reset()      # the phases (time/<phase>_s, memory/<phase>_peak_gib) of this step
             profiler.begin(step + 1)
             batch = to_device(batch, device)
             fields = {"fields": batch["fields"]} if "fields" in batch else {}
@@ -493,6 +502,7 @@ def main(argv=None):
                     record.update(ppo_round(trainer, buffer, unsup_buffer, args))
                     buffer, unsup_buffer = [], []
                     record["time/train_s"] = time.time() - train_start
+                    record.update(trainer.phases.metrics())
                     record.update(engines.hybrid.pop_stats())
                     record.update(get_scheduler().pop_stats())
                     record["time/step_s"] = time.time() - step_start
@@ -506,6 +516,9 @@ def main(argv=None):
             written = profiler.end(step)
             if written:
                 print_rank_0(f"profile of step {step} written to {written} (and .trace.json)")
+                if profiler.snapshot:
+                    print_rank_0(f"memory snapshot of step {step} written to {profiler.snapshot} "
+                                 "(view it at https://pytorch.org/memory_viz)")
             if not buffer:  # checkpoints only between PPO rounds: the experience buffer is not saved
                 fault_point("step", step)
                 if ckpt.due(step):

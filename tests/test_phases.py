@@ -1,0 +1,97 @@
+"""dschat/utils/phases.py: per-phase seconds (summed over repeats) and, on CUDA, peak memory
+(the largest over repeats; an outer phase's peak includes its inner ones'), while
+`dist.peak_memory_gib` keeps the run's peak across the phases' counter restarts."""
+import time
+
+import pytest
+import torch
+
+from dschat.utils import dist
+from dschat.utils.phases import PhaseTimer
+
+
+def test_phases_sum_their_seconds_and_record_no_memory_on_cpu():
+    timer = PhaseTimer(torch.device("cpu"))
+    for _ in range(2):
+        with timer.phase("a"):
+            time.sleep(0.02)
+    with timer.phase("b"):
+        with timer.phase("c"):       # nested: both count it
+            time.sleep(0.01)
+    with pytest.raises(RuntimeError):
+        with timer.phase("d"):       # a phase that raises is still recorded, and the error goes on
+            raise RuntimeError("boom")
+    m = timer.metrics()
+    assert set(m) == {"time/a_s", "time/b_s", "time/c_s", "time/d_s"}      # seconds only on CPU
+    assert 0.04 <= m["time/a_s"] < 1.0
+    assert m["time/b_s"] >= m["time/c_s"] >= 0.01 and m["time/d_s"] >= 0
+    timer.reset()
+    assert timer.metrics() == {}
+    with timer.phase("a"):
+        pass
+    assert list(timer.metrics()) == ["time/a_s"] and timer.metrics()["time/a_s"] < 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_phase_peaks_on_cuda():
+    device = torch.device("cuda", torch.cuda.current_device())
+    mib = 2 ** 20
+    big = torch.empty(512 * mib, dtype=torch.uint8, device=device)      # the run's peak so far
+    del big
+    timer = PhaseTimer(device)
+    base = torch.cuda.memory_allocated(device)
+    for size in (64, 128):                                                  # the larger repeat counts
+        with timer.phase("alloc"):
+            x = torch.empty(size * mib, dtype=torch.uint8, device=device)
+            del x
+    with timer.phase("outer"):
+        with timer.phase("inner"):
+            y = torch.empty(32 * mib, dtype=torch.uint8, device=device)
+            del y
+        with timer.phase("small"):
+            pass
+    m = timer.metrics()
+    gib = lambda key: m[key] * 2 ** 30  # noqa: E731
+    assert base + 128 * mib <= gib("memory/alloc_peak_gib") < base + 129 * mib
+    assert base + 32 * mib <= gib("memory/inner_peak_gib") < base + 33 * mib
+    assert gib("memory/outer_peak_gib") >= gib("memory/inner_peak_gib")        # the inner phase is in the outer
+    assert gib("memory/small_peak_gib") < base + mib
+    assert all(m[f"time/{p}_s"] >= 0 for p in ("alloc", "outer", "inner", "small"))
+    # the phases restarted CUDA's peak counter; the run's peak (the 512 MiB) is kept
+    assert dist.peak_memory_gib(device) * 2 ** 30 >= 512 * mib
+
+
+def test_profiled_step_on_cpu_says_memory_snapshots_need_cuda(tmp_path, capsys):
+    from dschat.utils.profiling import StepProfiler
+    prof = StepProfiler(2, str(tmp_path), 0, torch.device("cpu"))
+    for step in (1, 2, 3):
+        prof.begin(step)
+        torch.ones(8, 8) @ torch.ones(8, 8)
+        assert (prof.end(step) is not None) == (step == 2)
+    out = capsys.readouterr().out
+    assert out.count("memory snapshots need CUDA") == 1, out
+    assert prof.snapshot is None and (tmp_path / "step_2.txt").exists()
+    assert not list(tmp_path.glob("*.pickle"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profiled_step_writes_a_memory_snapshot_on_cuda(tmp_path):
+    import pickle
+
+    from dschat.utils.profiling import StepProfiler
+    device = torch.device("cuda", torch.cuda.current_device())
+    prof = StepProfiler(2, str(tmp_path), 0, device)
+    for step in (1, 2, 3):
+        prof.begin(step)
+        x = torch.randn(1000, 1000, device=device)
+        (x @ x).sum().item()
+        prof.end(step)
+    assert prof.snapshot == str(tmp_path / "memory_snapshot_step2.pickle")
+    assert [p.name for p in tmp_path.glob("*.pickle")] == ["memory_snapshot_step2.pickle"]
+    with open(prof.snapshot, "rb") as f:
+        snapshot = pickle.load(f)
+    # the step's allocations are in the trace (a 1000 x 1000 fp32 tensor: 4,000,000 bytes)
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    assert any(e["action"] == "alloc" and e["size"] >= 4_000_000 for e in events), len(events)
