@@ -15,8 +15,8 @@
 #    then greedy exact match on held-out problems of that difficulty.
 # 4. OUT/table.md and OUT/curves.png (applications/compare_arithmetic.py).
 # A run whose arithmetic_eval.json exists is skipped: running again continues where it stopped.
-#   ALGOS="grpo drgrpo rloo reinforce_pp ppo"  SEEDS="1 2 3"  PARALLEL=8  STEPS=80
-#   GROUP=8 (answers per prompt)  ANSWERS=64 (sampled answers per step, every algorithm)  LR=1e-5
+#   ALGOS="grpo drgrpo rloo reinforce_pp ppo"  SEEDS="1 2 3"  PARALLEL=5 (about 16-19 GiB of GPU each)  STEPS=50
+#   GROUP=8 (answers per prompt)  ANSWERS=64 (sampled answers per step, every algorithm)  LR=2e-5
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
@@ -25,10 +25,10 @@ OUT=${OUT:-$ROOT/output/arith-learning}
 ALGOS=${ALGOS:-grpo drgrpo rloo reinforce_pp ppo}
 SEEDS=${SEEDS:-1 2 3}
 PARALLEL=${PARALLEL:-4}
-STEPS=${STEPS:-80}
+STEPS=${STEPS:-50}
 GROUP=${GROUP:-8}
 ANSWERS=${ANSWERS:-64}
-LR=${LR:-1e-5}
+LR=${LR:-2e-5}
 TRAIN_MB=$(( ANSWERS < 32 ? ANSWERS : 32 ))   # PPO micro-batch
 KL_CTL=${KL_CTL:-0.01}
 MAX_ANSWER=${MAX_ANSWER:-192}
