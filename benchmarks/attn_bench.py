@@ -1,4 +1,4 @@
-"""Decode-attention kernel sweep on one GPU (the inner loop of dschat.engine.decode).
+"""Decode-attention kernel sweep on one GPU (the inner loop of dschat.rollout.decode).
 
 Times one decode step's attention for one layer, replayed from a CUDA graph as the fast
 path runs it (cycling over copies of the cache larger than L2 together, as a step over all
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dschat.engine import decode
-from dschat.engine import decode_triton as dt
+from dschat.rollout import decode
+from dschat.rollout import decode_triton as dt
 
 SHAPES = {  # name: (batch, kv heads, head_dim, cache length)
     "bloom-560m B16": (16, 16, 64, 512),

@@ -30,12 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _load_decode():
-    """dschat.engine.decode, or the file itself where the package's imports are unavailable."""
+    """dschat.rollout.decode, or the file itself where the package's imports are unavailable."""
     try:
-        from dschat.engine import decode
+        from dschat.rollout import decode
         return decode
     except ImportError:
-        spec = importlib.util.spec_from_file_location("dschat_decode", REPO / "dschat/engine/decode.py")
+        spec = importlib.util.spec_from_file_location("dschat_decode", REPO / "dschat/rollout/decode.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # One run of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
 # on the GPU machine with the wheels of benchmarks/GPU_SETUP.md in .whl/:
-#   bash benchmarks/device_run.sh gen|step3|step3fam|decode|profile7b|persistent OUT_DIR
-# persistent: a layer's four GEMVs at bloom-7b1's shapes, one kernel each against one persistent
-#   kernel with grid barriers (benchmarks/persistent_bench.py; a hang is cut off after 300 s)
+#   bash benchmarks/device_run.sh gen|step3|step3fam|decode|profile7b OUT_DIR
 # step3fam: step 3 (fast path, 3 steps) with a GPT-NeoX, a LLaMA (grouped-query) and a GPT-2
 #   actor and critic, each at ZeRO-3 on one GPU
 # decode: the attention and linear kernel sweeps, then the off-by-default candidates end to end
@@ -29,8 +27,6 @@ elif [ "$what" = profile7b ]; then
   python3 benchmarks/decode_bench.py --plan bloom-7b1:bf16:16 --numerics fast --profile bloom-7b1 \
     --profile-steps 256 --out "$out" 2>&1 | grep -v -i warn
   python3 benchmarks/attn_bench.py --shapes "bloom-7b1 B16" --pos 384 --out "$out" 2>&1 | grep -v -i warn
-elif [ "$what" = persistent ]; then
-  timeout 300 python3 benchmarks/persistent_bench.py --out "$out" 2>&1 | grep -v -i warn
 elif [ "$what" = step3fam ]; then
   for preset in pythia-1.4b tinyllama-1.1b gpt2-xl; do
     python3 benchmarks/step3.py --preset $preset --modes "ours fast" --steps 3 --warmup 1 \

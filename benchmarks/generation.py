@@ -163,9 +163,9 @@ def main(argv=None):
         raise SystemExit(f"--repeats must be at least 1 (got {args.repeats})")
     import deepspeed
 
-    from dschat.engine import gather as gather_mod
     from dschat.engine.config import eval_ds_config
-    from dschat.engine.hybrid import HybridActor
+    from dschat.rollout import gather as gather_mod
+    from dschat.rollout.hybrid import HybridActor
     from dschat.utils.dist import get_rank, get_world_size, init_distributed
 
     device = init_distributed(args.local_rank)

@@ -89,10 +89,10 @@ def main():
     import torch.distributed as dist
     from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
-    from dschat.engine import gather as gather_mod
-    from dschat.engine.gather import GatherPlan, GatherScheduler
-    from dschat.engine.hybrid import HybridActor
     from dschat.engine.zero import params_left_gathered
+    from dschat.rollout import gather as gather_mod
+    from dschat.rollout.gather import GatherPlan, GatherScheduler
+    from dschat.rollout.hybrid import HybridActor
 
     rank = dist.get_rank()
     engine = build_engine(args)

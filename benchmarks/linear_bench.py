@@ -1,5 +1,5 @@
 """Decode-step linear sweep on one GPU: cuBLAS (F.linear; the bias+GELU epilogue for fc1)
-against `dschat.engine.decode_triton.linear` over its launch knobs, at the weight shapes of
+against `dschat.rollout.decode_triton.linear` over its launch knobs, at the weight shapes of
 bloom-560m and bloom-7b1 with 1, 16 and 64 rows, each call replayed from a CUDA graph as
 the fast decode path runs it. Prints the best Triton variants per shape and writes a table
 (microseconds, weight TB/s, max difference to cuBLAS).
@@ -17,7 +17,7 @@ import os
 import torch
 
 from benchmarks.attn_bench import graph_time_us, write_sweep
-from dschat.engine import decode_triton as dt
+from dschat.rollout import decode_triton as dt
 
 SHAPES = {  # name: (N, K, bias+GELU epilogue)
     "560m qkv": (3072, 1024, False), "560m dense": (1024, 1024, False),

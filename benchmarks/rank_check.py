@@ -59,8 +59,8 @@ def check_dtype(args, dtype_name, device, rank, world):
     import deepspeed
 
     from dschat.engine.config import eval_ds_config
-    from dschat.engine.hybrid import HybridActor
     from dschat.registry import position_ids_for
+    from dschat.rollout.hybrid import HybridActor
 
     dtype = DTYPES[dtype_name]
     model = build_model(args.model, dtype, device)

@@ -37,15 +37,15 @@ class ModelFamily:
     pad_fallback: str = "none"           # "eos": the family's tokenizers ship no pad token
     dropout_keys: tuple[str, ...] = ()
     lora_targets: tuple[str, ...] = ()
-    fast_decode: Optional[str] = None    # key into engine.decode's registry, if any
+    fast_decode: Optional[str] = None    # key into rollout.decode's registry, if any
     aliases: tuple[str, ...] = field(default=())
-    # Inference tensor parallelism (`--inference_tp_size`, dschat/engine/tensor_parallel.py).
+    # Inference tensor parallelism (`--inference_tp_size`, dschat/rollout/tensor_parallel.py).
     # Linears are block-relative module paths with the unit their split counts in:
     # "heads" / "kv_heads" (whole attention heads: every head's rows stay together) or
     # "ffn" (single MLP intermediate channels). Column-parallel linears keep a slice of
     # their output rows (and bias); row-parallel ones a slice of their input columns, their
     # bias is added once after the all-reduce.
-    tp_decode: Optional[str] = None      # key into engine.tensor_parallel's blocks; None: no TP
+    tp_decode: Optional[str] = None      # key into rollout.tensor_parallel's blocks; None: no TP
     tp_column: tuple[tuple[str, str], ...] = ()
     tp_row: tuple[tuple[str, str], ...] = ()
     # Fused QKV rows: "per_head" = [heads, 3, head_dim] (Bloom, GPT-NeoX), so one head's

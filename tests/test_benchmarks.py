@@ -80,10 +80,7 @@ def test_step3_benchmark_runs_and_a_rerun_counts_only_its_own_steps(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
-@pytest.mark.parametrize("script,stem,tol", [("attn_bench.py", "attn", 1e-2), ("linear_bench.py", "linear", 3e-2),
-                                             ("norm_fusion_bench.py", "norm_fusion", 1e-4),
-                                             ("gemv_tail_bench.py", "gemv_tail", 1e-4),
-                                             ("persistent_bench.py", "persistent", 1e-4)])
+@pytest.mark.parametrize("script,stem,tol", [("attn_bench.py", "attn", 1e-2), ("linear_bench.py", "linear", 3e-2)])
 def test_kernel_sweeps_run_in_the_triton_interpreter(tmp_path, script, stem, tol):
     """The decode-kernel sweeps' --smoke mode: every variant runs and is within bf16
     rounding of its reference (the GPU runs time the same variants)."""

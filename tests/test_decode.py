@@ -1,4 +1,4 @@
-"""Fast decode (dschat.engine.decode) against HF generate on tiny random models, fp32, CPU.
+"""Fast decode (dschat.rollout.decode) against HF generate on tiny random models, fp32, CPU.
 
 Weights are drawn with a large init std so that greedy continuations vary from token to
 token (with HF's default 0.02 these tiny models repeat one token, which proves little).
@@ -27,7 +27,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from dschat.engine.decode import FastGenerator, fast_decode_supported, fast_decode_unsupported_reason
+from dschat.rollout.decode import FastGenerator, fast_decode_supported, fast_decode_unsupported_reason
 from tests.dist_utils import REPO
 from tests.dist_utils import test_env as subprocess_env
 
@@ -280,7 +280,7 @@ def test_supported_configs():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pdl", [None, 0, 1, 2])   # None: 3 on compute capability 9+
 def test_cuda_graph_matches_eager_and_hf(pdl):
-    from dschat.engine.decode_triton import KernelOptions
+    from dschat.rollout.decode_triton import KernelOptions
     opts = KernelOptions(pdl=pdl)                # programmatic dependent launch modes
     torch.manual_seed(0)
     model = _bloom().cuda().eval()
@@ -317,14 +317,14 @@ def _options(**changes):
     """The kernel options in force with `changes`, for a with-block."""
     import dataclasses
 
-    from dschat.engine import decode_triton as dt
+    from dschat.rollout import decode_triton as dt
     return dt.use_options(dataclasses.replace(dt.options(), **changes))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_kernels_match_reference():
-    from dschat.engine import decode_triton as dt
+    from dschat.rollout import decode_triton as dt
     if not dt.available():
         pytest.skip("Triton not importable")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -496,7 +496,7 @@ def test_triton_kernels_in_the_cpu_interpreter():
 def test_programmatic_dependent_launch_only_on_hopper_cuda(monkeypatch):
     """PDL is a launch attribute of CUDA compute capability 9+: never requested on the CPU
     or in Triton's interpreter, whatever KernelOptions.pdl says."""
-    from dschat.engine import decode_triton as dt
+    from dschat.rollout import decode_triton as dt
     for mode in (None, 1, 2, 3):
         with dt.use_options(dt.KernelOptions(pdl=mode)):
             assert dt._pdl_mode(torch.device("cpu")) == 0
@@ -515,8 +515,8 @@ def test_head_dim_not_a_power_of_two(monkeypatch):
     attention pads head_dim to a power-of-two block (KernelOptions.attn_pad_head_dim, the default). With
     the padding off such models decode with baddbmm, and the kernel's entry point answers
     with the reference instead of failing to compile."""
-    from dschat.engine import decode_triton as dt
-    from dschat.engine.decode import _DecodeBlock
+    from dschat.rollout import decode_triton as dt
+    from dschat.rollout.decode import _DecodeBlock
     assert dt.KernelOptions().attn_pad_head_dim
     assert _DecodeBlock.default_attention(80, "fast", True) == "triton"
     assert _DecodeBlock.default_attention(96, "fast", True) == "triton"
@@ -542,7 +542,7 @@ def test_head_dim_not_a_power_of_two(monkeypatch):
 def test_l2_prefetch_lengths():
     """Mode 3's prefetch per program: about KernelOptions.pdl_prefetch bytes as a power of two of whole
     128-byte lines, never past the program's K slice, nothing outside mode 3 or at 0 bytes."""
-    from dschat.engine import decode_triton as dt
+    from dschat.rollout import decode_triton as dt
     w = torch.empty(8, 8, dtype=torch.bfloat16)
     assert dt._prefetch_args(3, 32, 4096, w) == {"PF_K": 8192 // (32 * 2), "LINE": 64}
     assert dt._prefetch_args(3, 16, 4096, w)["PF_K"] == 256

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dschat.engine.gather import (
+from dschat.registry import family_of, position_ids_for, resolve, unwrap_peft
+from dschat.rollout.gather import (
     GatherPlan,
     GatherScheduler,
     LayeredReplica,
@@ -22,8 +23,7 @@ from dschat.engine.gather import (
     get_scheduler,
     release_replica,
 )
-from dschat.engine.hybrid import HybridActor
-from dschat.registry import family_of, position_ids_for, resolve, unwrap_peft
+from dschat.rollout.hybrid import HybridActor
 from dschat.utils.errors import UserInputError
 from tests.dist import hybrid_common as hc
 from tests.dist_utils import REPO, run_deepspeed
@@ -112,7 +112,7 @@ def _bare_actor(use_fast_decode):
 def test_fast_decode_falls_back_only_for_a_stated_reason(monkeypatch):
     from transformers import AutoModelForCausalLM, BloomConfig
 
-    from dschat.engine import decode
+    from dschat.rollout import decode
     model = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2))
     # CPU without an explicit choice: HF generate, with the reason logged once
     actor = _bare_actor(None)

@@ -22,7 +22,8 @@ PACKAGE = REPO / "dschat"
 LAYERS: list[tuple[str, ...]] = [
     ("dschat", "dschat.utils"),               # errors, logging, metrics, dist, tensor_ops, checkpoint, run
     ("dschat.registry", "dschat.data"),       # model-family facts; datasets, formats, collators
-    ("dschat.engine",),                       # ZeRO/DeepSpeed plumbing, gather, hybrid engine, decode, TP
+    ("dschat.engine",),                       # DeepSpeed training glue: configs, optimizers, ZeRO helpers, epoch loop
+    ("dschat.rollout",),                      # ZeRO-3 -> replica gather, hybrid actor, fast decode + kernels, TP
     ("dschat.models",),                       # HF model creation, LoRA, the reward model
     ("dschat.rlhf", "dschat.tasks"),          # PPO / critic-free / DPO training; verifiable tasks
     ("dschat.cli", "dschat.plot"),            # entry points' flags and their validation; plotting CLI

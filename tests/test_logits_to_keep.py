@@ -3,10 +3,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dschat.engine.hybrid import logits_to_keep_kwargs
 from dschat.models.lora import apply_lora
 from dschat.rlhf import ppo_math as pm
 from dschat.rlhf.trainer import _answer_logits
+from dschat.rollout.hybrid import logits_to_keep_kwargs
 
 TINY = {
     "bloom": dict(vocab_size=64, hidden_size=16, n_layer=2, n_head=2),

@@ -1,4 +1,4 @@
-"""Inference tensor parallelism (`--inference_tp_size`, dschat/engine/tensor_parallel.py).
+"""Inference tensor parallelism (`--inference_tp_size`, dschat/rollout/tensor_parallel.py).
 
 Single-process tests: the registry's TP layout on real HF modules, the slicing (whole
 heads, uneven MLP/vocab parts that reassemble the full tensor), the size errors, and the
@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dschat.engine.gather import GatherScheduler
-from dschat.engine.tensor_parallel import TPInference, cut_table, tp_size_problems, vocab_bounds
 from dschat.registry import family_of, position_ids_for, resolve, tp_head_counts
+from dschat.rollout.gather import GatherScheduler
+from dschat.rollout.tensor_parallel import TPInference, cut_table, tp_size_problems, vocab_bounds
 from tests.dist import hybrid_common as hc
 from tests.dist_utils import REPO, run_deepspeed
 

@@ -374,8 +374,8 @@ def validate_step2_dpo(args) -> None:
 def _inference_tp(args, world: int) -> list[str]:
     """--inference_tp_size: divides the world size; with the actor's config (read before
     any model loads) it must also divide the attention and KV head counts."""
-    from dschat.engine.tensor_parallel import tp_size_problems
     from dschat.models.model_utils import load_config
+    from dschat.rollout.tensor_parallel import tp_size_problems
 
     config = None
     actor = args.actor_model_name_or_path

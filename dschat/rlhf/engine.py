@@ -30,7 +30,7 @@ class RLHFEngines:
     critic: object | None  # deepspeed engine of the RewardModel; None for critic-free algorithms
     reward: object | None  # None without a reward model (reward functions only)
     ema: object | None
-    hybrid: object         # dschat.engine.hybrid.HybridActor around `actor`
+    hybrid: object         # dschat.rollout.hybrid.HybridActor around `actor`
     actor_ds_config: dict
     critic_ds_config: dict | None
 
@@ -62,8 +62,8 @@ def ppo_optimizer_steps(ppo_steps: int, *, generation_batches: int, generation_b
 
 
 def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) -> RLHFEngines:
-    from dschat.engine.hybrid import HybridActor
     from dschat.rlhf.algorithm import uses_critic, uses_reference, uses_reward_model
+    from dschat.rollout.hybrid import HybridActor
 
     actor_cfg = train_ds_config(
         zero_stage=args.actor_zero_stage, dtype=args.dtype, offload=args.offload,

@@ -40,7 +40,7 @@ def count_fill_gathers(counts: dict):
     """Count the replica fills' non-empty gathers by kind: straight from the shards
     (gather.ShardGather) or through DeepSpeed's fetch (LoRA groups, where the delta needs
     the gathered adapter params)."""
-    from dschat.engine import gather as G
+    from dschat.rollout import gather as G
     real = G._fill_gather
 
     def counting(*args):
@@ -55,7 +55,7 @@ def count_fill_gathers(counts: dict):
 def direct_vs_deepspeed_fill(engine) -> bool:
     """Two replicas filled from the same shards, straight and through DeepSpeed's fetch:
     bit-identical."""
-    from dschat.engine import gather as G
+    from dschat.rollout import gather as G
     reps = {}
     for direct in (True, False):
         G.DIRECT_FILL = direct
@@ -71,7 +71,7 @@ def padded_shards_fill() -> dict:
     the last rank's shards are padded. The straight fill (full and layered, with persistent
     params copied as they are) must equal DeepSpeed's fetch bit for bit."""
     import transformers as T
-    from dschat.engine import gather as G
+    from dschat.rollout import gather as G
     torch.manual_seed(hc.SEED)
     cfg = T.BloomConfig(vocab_size=hc.VOCAB + 1, hidden_size=63, n_layer=3, n_head=7,
                         bos_token_id=hc.BOS, eos_token_id=hc.EOS, pad_token_id=hc.PAD)
@@ -101,9 +101,9 @@ def padded_shards_fill() -> dict:
 
 
 def run_case(family: str, lora: bool, rank: int) -> dict:
-    from dschat.engine import gather as G
-    from dschat.engine.gather import GatherPlan, GatherScheduler
-    from dschat.engine.hybrid import HybridActor
+    from dschat.rollout import gather as G
+    from dschat.rollout.gather import GatherPlan, GatherScheduler
+    from dschat.rollout.hybrid import HybridActor
     from dschat.engine.zero import params_left_gathered
 
     timer = hc.Timer()

@@ -22,8 +22,8 @@ def generations_match(actor, ref, ids, mask, **kw) -> bool:
 
 def low_stage(stage: int, lora: bool, rank: int) -> dict:
     """ZeRO 0/2: no gather. Alias without LoRA, copy + merge with LoRA; correct after a step."""
-    from dschat.engine.gather import GatherScheduler
-    from dschat.engine.hybrid import HybridActor
+    from dschat.rollout.gather import GatherScheduler
+    from dschat.rollout.hybrid import HybridActor
     res = {"stage": stage, "lora": lora}
     model = hc.tiny_model("bloom", lora=lora)
     template, ref = copy.deepcopy(model), hc.reference_of(model)
@@ -49,8 +49,8 @@ def low_stage(stage: int, lora: bool, rank: int) -> dict:
 
 def offload_case(rank: int) -> dict:
     """ZeRO-3 with offload_param cpu: full, layered, off; bf16 replica; sampling; release."""
-    from dschat.engine.gather import GatherScheduler
-    from dschat.engine.hybrid import HybridActor
+    from dschat.rollout.gather import GatherScheduler
+    from dschat.rollout.hybrid import HybridActor
     from dschat.engine.zero import params_left_gathered
     res = {}
     model = hc.tiny_model("opt")
@@ -112,8 +112,8 @@ def offload_case(rank: int) -> dict:
 
 def gathered_case(rank: int) -> dict:
     """gathered() on a frozen ZeRO-3 engine (a reference / reward model); a layered actor's peak."""
-    from dschat.engine.gather import GatherPlan, GatherScheduler, gathered
-    from dschat.engine.hybrid import HybridActor
+    from dschat.rollout.gather import GatherPlan, GatherScheduler, gathered
+    from dschat.rollout.hybrid import HybridActor
     from dschat.utils.tensor_ops import gather_log_probs
     from dschat.engine.zero import params_left_gathered
     res = {}

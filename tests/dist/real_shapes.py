@@ -106,7 +106,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from dschat.engine.config import train_ds_config
-    from dschat.engine.hybrid import HybridActor
+    from dschat.rollout.hybrid import HybridActor
     from dschat.engine.optim import build_optimizer
     from dschat.engine.train_utils import evaluate_lm, lm_loss_sum
     from dschat.engine.zero import initialize_engine, params_left_gathered

@@ -12,7 +12,7 @@ import hybrid_common as hc
 def main():
     import deepspeed
     import transformers as T
-    from dschat.engine import gather as G
+    from dschat.rollout import gather as G
     from dschat.engine.zero import params_left_gathered
 
     deepspeed.init_distributed(dist_backend="nccl")

@@ -84,8 +84,8 @@ def eos_stop(actor, ref, rank: int, vocab: int) -> dict:
 def run_family(family: str, tps: list[int], lora: bool, rank: int, world: int) -> list[dict]:
     """One ZeRO-3 engine, one TP actor per size in `tps` (each its own groups and scheduler);
     a result dict per size."""
-    from dschat.engine.gather import GatherPlan, GatherScheduler
-    from dschat.engine.hybrid import HybridActor
+    from dschat.rollout.gather import GatherPlan, GatherScheduler
+    from dschat.rollout.hybrid import HybridActor
     from dschat.engine.zero import params_left_gathered
 
     timer = hc.Timer()
@@ -163,7 +163,7 @@ def size_errors(world: int) -> dict:
     """The clear errors: a TP size that does not divide the world, the head count, the KV
     head count (HybridActor validates before any collective)."""
     import transformers as T
-    from dschat.engine.hybrid import HybridActor
+    from dschat.rollout.hybrid import HybridActor
     from dschat.utils.errors import UserInputError
 
     big = 4 if world == 4 else 2

@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dschat.engine import decode
-from dschat.engine import decode_triton as dt
-from dschat.engine.decode_triton import KernelOptions, use_options
+from dschat.rollout import decode
+from dschat.rollout import decode_triton as dt
+from dschat.rollout.decode_triton import KernelOptions, use_options
 
 assert dt.available() and dt._interpreting()
 

@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dschat.engine import decode_triton
-from dschat.engine.decode_triton import add_norm_ref
 from dschat.registry import UnknownModelTypeError, family_of, resolve, unwrap_peft
+from dschat.rollout import decode_triton
+from dschat.rollout.decode_triton import add_norm_ref
 from dschat.utils.logging import get_logger
 
 logger = get_logger(__name__)

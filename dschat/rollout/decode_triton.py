@@ -1,4 +1,4 @@
-"""Optional Triton kernels for the fast decode step (dschat.engine.decode).
+"""Optional Triton kernels for the fast decode step (dschat.rollout.decode).
 
 Only imported on CUDA when Triton is importable; every kernel here has a PyTorch
 reference (`*_ref`) with the same rounding points, used on CPU and in tests. Kernels:

@@ -7,7 +7,7 @@
   the actor's architecture, see `gather.build_replica`) is refilled in place from the
   ZeRO-3 shards whenever the weights changed (`mark_weights_updated()`, or the engine's
   `global_steps` moved), LoRA merged into the replica; decoding runs on the replica with
-  `dschat.engine.decode.FastGenerator` where supported (on CUDA by default), else with
+  `dschat.rollout.decode.FastGenerator` where supported (on CUDA by default), else with
   HF `generate`. The same replica serves `logits` / `log_probs` (the experience's actor
   log-prob pass), so the weights are gathered once per rollout.
 - `layered` mode (`--unpin_actor_parameters`): a skeleton replica whose blocks are
@@ -17,7 +17,7 @@
   training dtype, the "replica" is the live module itself (an alias, switched to eval
   for the call); otherwise a replica is filled by copy/cast (+ LoRA merge).
 - `inference_tp_size > 1` (path "tp"): each rank holds 1/tp of the replica and the TP group
-  decodes its ranks' prompts together (`dschat.engine.tensor_parallel.TPActorPath`).
+  decodes its ranks' prompts together (`dschat.rollout.tensor_parallel.TPActorPath`).
 - hybrid engine off: HF generate on the live module through ZeRO-3's hooks, with
   `synced_gpus=True` under ZeRO-3 with more than one rank (as upstream).
 
@@ -36,7 +36,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from dschat.engine.gather import (
+from dschat.engine.zero import is_zero3_param
+from dschat.registry import logits_to_keep_kwargs, position_ids_for, unwrap_peft
+from dschat.rollout.gather import (
     GatherScheduler,
     LayeredReplica,
     build_replica,
@@ -44,8 +46,6 @@ from dschat.engine.gather import (
     get_scheduler,
     release_replica,
 )
-from dschat.engine.zero import is_zero3_param
-from dschat.registry import logits_to_keep_kwargs, position_ids_for, unwrap_peft
 from dschat.utils import dist
 from dschat.utils.errors import UserInputError
 from dschat.utils.logging import get_logger, is_rank_0
@@ -114,10 +114,10 @@ class HybridActor:
         self._logged: set[str] = set()
         self._stats = self._empty_stats()
         # --inference_tp_size > 1: generate/logits run tensor-parallel in groups of ranks
-        # (dschat/engine/tensor_parallel.py); validates the size (UserInputError)
+        # (dschat/rollout/tensor_parallel.py); validates the size (UserInputError)
         self._tp = None
         if int(inference_tp_size) > 1:
-            from dschat.engine.tensor_parallel import TPActorPath
+            from dschat.rollout.tensor_parallel import TPActorPath
             self._tp = TPActorPath(self, int(inference_tp_size))
 
     # ------------------------------------------------------------------ state
@@ -297,7 +297,7 @@ class HybridActor:
         else:
             # an unsupported model or shape is a reason (logged once, HF generate); any other
             # error in the decode module is a bug and raises instead of a quiet fall-back
-            from dschat.engine import decode
+            from dschat.rollout import decode
             reason = decode.fast_decode_unsupported_reason(model, max_total_len=self.max_prompt_len
                                                            + self.max_new_tokens)
             if reason is None:

@@ -56,8 +56,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dschat.engine.decode import attention_window
-from dschat.engine.gather import (
+from dschat.registry import REGISTRY, family_of, head_is_tied, resolve, tp_head_counts, unwrap_peft
+from dschat.rollout.decode import attention_window
+from dschat.rollout.gather import (
     GatherPlan,
     GatherScheduler,
     PendingGather,
@@ -68,7 +69,6 @@ from dschat.engine.gather import (
     needs_gather,
     release_replica,
 )
-from dschat.registry import REGISTRY, family_of, head_is_tied, resolve, tp_head_counts, unwrap_peft
 from dschat.utils import dist
 from dschat.utils.errors import UserInputError
 from dschat.utils.logging import get_logger, is_rank_0
