@@ -15,7 +15,7 @@
 #    then greedy exact match on held-out problems of that difficulty.
 # 4. OUT/table.md and OUT/curves.png (applications/compare_arithmetic.py).
 # A run whose arithmetic_eval.json exists is skipped: running again continues where it stopped.
-#   ALGOS="grpo drgrpo rloo reinforce_pp ppo"  SEEDS="1 2 3"  PARALLEL=5 (about 16-19 GiB of GPU each)  STEPS=50
+#   ALGOS="grpo drgrpo rloo reinforce_pp ppo"  SEEDS="1 2 3"  PARALLEL=5 (about 16-19 GiB of GPU each)  STEPS=80
 #   GROUP=8 (answers per prompt)  ANSWERS=64 (sampled answers per step, every algorithm)  LR=2e-5
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -25,7 +25,7 @@ OUT=${OUT:-$ROOT/output/arith-learning}
 ALGOS=${ALGOS:-grpo drgrpo rloo reinforce_pp ppo}
 SEEDS=${SEEDS:-1 2 3}
 PARALLEL=${PARALLEL:-4}
-STEPS=${STEPS:-50}
+STEPS=${STEPS:-80}
 GROUP=${GROUP:-8}
 ANSWERS=${ANSWERS:-64}
 LR=${LR:-2e-5}
@@ -71,6 +71,8 @@ algo_flags() {
     *) echo "unknown algorithm $1 (grpo drgrpo rloo reinforce_pp ppo)" >&2; return 2 ;;
   esac
 }
+# --num_train_epochs 100: passes enough over the prompts that --max_steps ends every run (ppo takes
+# 64 prompts a step, the group algorithms 8)
 one_run() {  # one_run ALGO SEED PORT
   local run=$OUT/runs/$1-seed$2
   [ -f "$run/arithmetic_eval.json" ] && return 0
@@ -83,6 +85,7 @@ one_run() {  # one_run ALGO SEED PORT
     --per_device_generation_batch_size "$ANSWERS" --per_device_training_batch_size "$TRAIN_MB" \
     --max_prompt_seq_len 256 --max_answer_seq_len "$MAX_ANSWER" --temperature 1.0 \
     --actor_learning_rate "$LR" --kl_ctl "$KL_CTL" --num_warmup_steps 5 --max_steps "$STEPS" \
+    --num_train_epochs 100 \
     --seed "$2" --output_dir "$run" --dump_generations "$run/generations.jsonl" > "$run/train.log" 2>&1 &&
   arith eval --model "$run/actor" --data "$DATA/eval.jsonl" --max_new_tokens "$MAX_ANSWER" --batch_size 128 \
     --summary "$run/arithmetic_eval.json.tmp" --jsonl "$run/arithmetic_eval.jsonl" > "$run/eval.log" 2>&1 &&
