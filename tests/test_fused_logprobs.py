@@ -35,6 +35,33 @@ def test_values_and_gradients_equal_the_plain_computation(chunk, with_bias):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+def test_bf16_gradients_match_the_plain_bf16_computation():
+    """In bf16 each chunk's weight gradient is a bf16 product summed in fp32; the plain
+    computation rounds one product over all tokens to bf16. Both stay within bf16 rounding of
+    the fp32 gradient."""
+    torch.manual_seed(0)
+    hidden32 = torch.randn(4, 50, 32)
+    weight32 = 0.3 * torch.randn(211, 32)
+    labels = torch.randint(0, 211, (4, 50))
+    upstream = torch.randn(4, 50)
+
+    def grads(dtype, fused):
+        h = hidden32.to(dtype).requires_grad_()
+        w = weight32.to(dtype).requires_grad_()
+        lp = linear_logprobs(h, w, None, labels, 16)[0] if fused else gather_log_probs(F.linear(h, w), labels)
+        return [g.float() for g in torch.autograd.grad((lp * upstream).sum(), [h, w])]
+
+    exact = grads(torch.float32, fused=False)
+    for fused in (False, True):
+        for got, want in zip(grads(torch.bfloat16, fused), exact):
+            err = (got - want).norm() / want.norm()
+            assert err < 2e-2, (fused, err)
+    fused_bf16, plain_bf16 = grads(torch.bfloat16, True), grads(torch.bfloat16, False)
+    assert all(g.dtype == torch.float32 for g in fused_bf16)
+    for got, want in zip(fused_bf16, plain_bf16):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
 def test_chunk_size_follows_the_vocabulary():
     assert chunk_tokens(49152) == 1365 and chunk_tokens(250880) == 267 and chunk_tokens(10 ** 12) == 1
 

@@ -60,7 +60,10 @@ class _LinearLogprobs(torch.autograd.Function):
             if need_h:
                 grad_h[s:s + ctx.chunk] = grad_logits @ weight
             if need_w:
-                grad_w += grad_logits.t().float() @ h.float()
+                # the chunk's product in the layer's dtype (tensor cores, fp32 accumulation inside
+                # the GEMM), summed over chunks in fp32: an fp32 product here ran as a SIMT GEMM,
+                # 43 ms of a 1.2 s bloom-560m PPO step on an H200
+                grad_w += (grad_logits.t() @ h).float()
             if grad_b is not None:
                 grad_b += grad_logits.float().sum(0)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
