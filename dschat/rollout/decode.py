@@ -50,6 +50,7 @@ from dschat.registry import UnknownModelTypeError, family_of, resolve, unwrap_pe
 from dschat.rollout import decode_triton
 from dschat.rollout.decode_triton import add_norm_ref
 from dschat.utils.logging import get_logger
+from dschat.utils.tensor_ops import positions_from_mask
 
 logger = get_logger(__name__)
 
@@ -522,6 +523,7 @@ class _OPTBlock(_DecodeBlock):
         return out
 
     def prompt_positions(self, mask):
+        # OPT's learned positions as HF's OPT computes them (pads -1, before its offset of 2)
         return (mask.cumsum(-1) * mask - 1).long()
 
     def _embed(self, ids, pos):
@@ -666,7 +668,7 @@ class _LlamaBlock(_DecodeBlock):
         return out
 
     def prompt_positions(self, mask):
-        return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1).long()
+        return positions_from_mask(mask)
 
     @staticmethod
     def _rms(x, ln):

@@ -17,16 +17,20 @@ On Hopper and later every kernel here is launched with programmatic dependent la
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
+from dschat.rollout import race_cache
 from dschat.utils.logging import get_logger
 
 logger = get_logger(__name__)
+_SOURCE_HASH = hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:16]   # a kernel edit retires cached winners
 
 try:                                   # pragma: no cover - exercised on GPU machines
     import triton
@@ -1346,10 +1350,16 @@ def _choose(key: tuple, run, w, tma: bool = False):
     if key in _CHOICE:
         return _CHOICE[key][1]
     w0 = w[0] if isinstance(w, tuple) else w
+    parts = key[1] == "linear+norm"
+    cands = _linear_candidates(w0.shape[1], parts=parts, transposed=w0.stride(-1) != 1,
+                               tma=tma, weights=len(w) if isinstance(w, tuple) else 1)
+    disk, disk_key = _disk_cache(w0.device), ("cuda",) + key[1:]   # any GPU index of this identity
+    hit = disk.get(disk_key) if disk is not None else None
+    if hit is not None and _is_candidate(hit, cands, parts):
+        _CHOICE[key] = hit
+        return hit[1]
     if w0.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
-    cands = _linear_candidates(w0.shape[1], parts=key[1] == "linear+norm", transposed=w0.stride(-1) != 1,
-                               tma=tma, weights=len(w) if isinstance(w, tuple) else 1)
     copies, n_calls = _weight_copies(w)
     times = {}
 
@@ -1371,9 +1381,44 @@ def _choose(key: tuple, run, w, tma: bool = False):
     if times[best] >= _ACTIVE.linear_tune_margin * times["cublas"]:
         best = "cublas"
     _CHOICE[key] = (best, cands[best])
+    if disk is not None:
+        disk.put(disk_key, best, cands[best])
     logger.info("decode linear %s: %s (%.1f us; cuBLAS %.1f us)", key[1:], best, times[best],
                 times["cublas"])
     return cands[best]
+
+
+def _is_candidate(hit: tuple, cands: dict, parts: bool) -> bool:
+    """A cached (name, config) is used only if this shape's race would have offered it."""
+    name, cfg = hit
+    if name in cands:
+        return cands[name] == cfg
+    return any(_refined(n, c, parts).get(name) == cfg for n, c in cands.items() if c is not None)
+
+
+_DISK: dict = {}                                       # (folder, device) -> RaceCache
+
+
+def _device_identity(device) -> Optional[dict]:
+    """What a race's timings depend on besides the shape key: the GPU, the libraries and
+    this file's kernels. None off CUDA."""
+    if device.type != "cuda" or triton is None:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return {"gpu": props.name, "capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "kernels": _SOURCE_HASH}
+
+
+def _disk_cache(device) -> "Optional[race_cache.RaceCache]":
+    folder = race_cache.cache_folder()
+    if folder is None:
+        return None
+    slot = (str(folder), str(device))
+    if slot not in _DISK:
+        identity = _device_identity(device)
+        _DISK[slot] = None if identity is None else race_cache.RaceCache(folder, identity)
+    return _DISK[slot]
 
 
 def tuned_linear(x, w, b=None, gelu: "bool | str" = False, epilogue: bool = False):
