@@ -127,3 +127,15 @@ def test_decode_bench_variant_sets_and_restores_switches():
             assert dtr.options().attn_splits == 8
             raise RuntimeError("a run that fails")
     assert {name: getattr(mod, name) for mod, name in bench._KNOBS} == before and dtr.options() == defaults
+
+
+def test_fast_start_runs_three_processes_with_the_same_tokens(tmp_path):
+    """fast_start.py: cold, warm and race-only processes each build, generate twice and give
+    the same tokens (on CPU there is no race, so the table is all the check there is)."""
+    out = tmp_path / "fast_start.md"
+    run_python(REPO / "benchmarks" / "fast_start.py",
+               ["--model", "tiny-bloom", "--batch", "2", "--prompt_len", "16", "--new_tokens", "8",
+                "--workdir", tmp_path / "work", "--out", out], timeout=300)
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "process" not in line]
+    assert [r.split(" | ")[0] for r in rows] == ["| cold", "| warm", "| race only (compile cache warm)"]
+    assert all(r.rstrip(" |").endswith("True") for r in rows), rows
