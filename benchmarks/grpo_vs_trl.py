@@ -369,7 +369,6 @@ def _device_name() -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
     workdir = Path(args.workdir)

@@ -26,10 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 
 def arithmetic_exact_match(prompts, completions, answer, **kwargs):
     """TRL's reward-function signature around dschat/tasks/arithmetic.py:exact_match_reward
