@@ -9,6 +9,12 @@ An entry may be
   - a hub name, loaded with `datasets.load_dataset` (works offline only from the local
     HF cache). Known DS-Chat names (Dahoas/rm-static, ...) get their column conventions,
     also when a local path ends with that name.
+
+Local files are read here rather than by `datasets.load_dataset("json", data_files=...)`:
+with datasets 5.2 one unparseable line of a .jsonl fails the whole file with
+"DatasetGenerationError: An error occurred while generating the dataset" and no line
+number, where these readers skip the line, count it and name its row; the rows then go
+through the same per-row checks as every other source.
 """
 from __future__ import annotations
 
