@@ -81,6 +81,26 @@ def test_preset_parses_and_follows_the_memory_rule(path, e2e):
             assert presets.step_memory_gb(3, plain, preset, reward, 1)["total"] > budget
 
 
+def test_deepspeed_estimators_beside_the_rule_of_thumb(e2e):
+    """DeepSpeed's own formulas (deepspeed/runtime/zero/stage3.py, stage_1_and_2.py, copied
+    here as the reference) for bloom-560m: P params, the embedding as its largest layer."""
+    bloom = presets.load_preset("bloom-560m")
+    P, L = 0.559e9, 250880 * 1024
+    gb = lambda b: b / 1e9  # noqa: E731
+    # ZeRO-3, 1 GPU, no offload: 4 bytes of the largest layer + 18 bytes/param; host: that layer x 4 x 1.5
+    assert presets.deepspeed_states_gb(bloom, 3, 1, False) == pytest.approx((gb(4 * L + 18 * P), gb(4 * L * 1.5)))
+    # ZeRO-3 offloaded over 8 GPUs: the largest layer on the GPU, 18 bytes/param x 1.5 on the host
+    assert presets.deepspeed_states_gb(bloom, 3, 8, True) == pytest.approx((gb(4 * L), gb(18 * P * 1.5)))
+    # ZeRO-2 over 4 GPUs: 2 bytes/param + 18 partitioned; ZeRO-0: nothing partitioned
+    assert presets.deepspeed_states_gb(bloom, 2, 4, False)[0] == pytest.approx(gb(2 * P + 18 * P / 4))
+    assert presets.deepspeed_states_gb(bloom, 0, 4, False)[0] == pytest.approx(gb(20 * P))
+    steps = plan_steps(e2e, "bloom-560m", "single_node")
+    actor = presets.resolve_model("bloom-560m", "actor", None, False, Path("/tmp/dschat-preset-check"))
+    lines = presets.memory_report(steps, actor, actor, 8, 80)
+    ds = [line for line in lines if "DeepSpeed's estimators" in line]
+    assert len(ds) == 3 and "trained models only" in ds[2] and "host memory per node" in ds[2], lines
+
+
 def plan_steps(e2e, name, deployment, tmp="/tmp/dschat-preset-check"):
     args = e2e.parse_args(["--actor-model", name, "--deployment-type", deployment, "--output-dir", tmp])
     actor = presets.resolve_model(args.actor_model, "actor", None, False, Path(tmp))

@@ -243,8 +243,36 @@ def sized(choice: ModelChoice) -> dict:
     return {**choice.preset, "params_billion": choice.params_b or choice.preset.get("params_billion", 0.0)}
 
 
+def largest_layer_b(preset: dict) -> float:
+    """Billions of parameters in the largest layer (the embedding, vocabulary x hidden, where
+    the preset's config gives them; else an even share of the layers)."""
+    cfg = preset.get("config", {})
+    hidden = cfg.get("hidden_size") or cfg.get("n_embd")
+    if cfg.get("vocab_size") and hidden:
+        return cfg["vocab_size"] * hidden / 1e9
+    return preset.get("params_billion", 0.0) / max(1, preset.get("num_layers", 1))
+
+
+def deepspeed_states_gb(preset: dict, stage: int, gpus: int, offload: bool) -> tuple[float, float]:
+    """(GPU GB per GPU, host GB per node) of one trained model's states by DeepSpeed's own
+    estimators (estimate_zero3_model_states_mem_needs at stage 3, estimate_zero2_... below:
+    fp32 gradients counted, a 1.5x host buffer), beside the rule of thumb above."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    params = int(preset.get("params_billion", 0.0) * 1e9)
+    n = max(gpus, 1) if stage >= 1 else 1
+    if stage == 3:
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            params, int(largest_layer_b(preset) * 1e9), num_gpus_per_node=n, cpu_offload=offload,
+            cpu_offload_params=offload)
+    else:
+        cpu, gpu = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=n, cpu_offload=offload)
+    return gpu / 1e9, cpu / 1e9
+
+
 def memory_report(steps, actor: ModelChoice, reward: ModelChoice | None, gpus: int, gpu_gb: float) -> list[str]:
-    """One line per step: estimated per-GPU model states against the GPU_BUDGET share of memory."""
+    """Two lines per step: estimated per-GPU model states against the GPU_BUDGET share of
+    memory, and DeepSpeed's estimators for the trained models (with host memory)."""
     a, c = sized(actor), sized(reward or actor)
     lines = []
     for step in steps:
@@ -255,4 +283,16 @@ def memory_report(steps, actor: ModelChoice, reward: ModelChoice | None, gpus: i
         verdict = "ok" if parts["total"] <= GPU_BUDGET * gpu_gb else f"OVER the {GPU_BUDGET:.0%} budget"
         lines.append(f"  {step.name}: {parts['total']:.1f} GB per GPU of {gpu_gb:.0f} over {gpus} GPUs"
                      f"{' (' + detail + ')' if detail else ''}: {verdict}")
+        if step.flags.get("only_optimize_lora"):
+            continue                       # DeepSpeed's estimators know no frozen base weights
+        offload = bool(step.flags.get("offload"))
+        if step.title == "DPO" or step.number in (1, 2):
+            trained = [(a if step.title == "DPO" or step.number == 1 else c, step.flags["zero_stage"])]
+        else:
+            trained = [(a, step.flags["actor_zero_stage"])]
+            if step.flags.get("algorithm", "ppo") == "ppo":
+                trained.append((c, step.flags["critic_zero_stage"]))
+        est = [deepspeed_states_gb(p, int(stage), gpus, offload) for p, stage in trained]
+        lines.append(f"    DeepSpeed's estimators, trained model{'s' if len(est) > 1 else ''} only: "
+                     f"{sum(g for g, _ in est):.1f} GB per GPU, {sum(h for _, h in est):.1f} GB host memory per node")
     return lines
