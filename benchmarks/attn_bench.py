@@ -103,12 +103,6 @@ def main():
                              dict(impl="triton", splits=splits, bn=bn, warps=warps, stages=stages, fused=fused)))
         variants.append(("triton rule", dict(impl="triton", splits=None, bn=None, warps=None, stages=None,
                                              fused=True)))
-        variants.append(("triton rule inline-combine", dict(impl="triton", splits=None, bn=None, warps=None,
-                                                            stages=None, fused=True, inline=True)))
-        for splits in (2, 4, 8):
-            variants.append((f"triton s{splits} rule inline-combine",
-                             dict(impl="triton", splits=splits, bn=None, warps=None, stages=None, fused=True,
-                                  inline=True)))
         for stages in (1, 2, 4):
             variants.append((f"triton rule st{stages}", dict(impl="triton", splits=None, bn=None, warps=None,
                                                              stages=stages, fused=True)))
@@ -142,8 +136,8 @@ def main():
                         return decode._attend_decode(q, kv_i, Lb, bb, scale, "bmm")
                 else:
                     opts = dt.KernelOptions(attn_splits=v["splits"], attn_block_n=v["bn"], attn_warps=v["warps"],
-                                            attn_stages=v["stages"], attn_inline_combine=v.get("inline", False),
-                                            attn_dot=v.get("dot", False), attn_pv_low=v.get("pvlow", False))
+                                            attn_stages=v["stages"], attn_dot=v.get("dot", False),
+                                            attn_pv_low=v.get("pvlow", False))
                     if v["fused"]:
                         def fn():
                             return dt.decode_attention(q, next(caches), bias, p, scale, new_kv=new)
@@ -162,7 +156,7 @@ def main():
         best = sorted((r for r in rows if r["shape"] == name and r["pos"] == pos and r["us"] == r["us"]),
                       key=lambda r: r["us"])[:8]
         print(f"{name} pos {pos}: " + "; ".join(f"{r['variant']} {r['us']:.2f}us" for r in best), flush=True)
-        print("   bmm / rule / rule inline-combine: " + "; ".join(
+        print("   bmm / rule: " + "; ".join(
             f"{r['variant']} {r['us']:.2f}us" for r in rows if r["shape"] == name and r["pos"] == pos
             and (r["variant"].startswith("bmm") or "rule" in r["variant"])), flush=True)
     write_sweep(args.out, "attn", "one layer's decode attention", "pos", "K/V TB/s", "max abs err", rows)

@@ -196,7 +196,7 @@ def variant(numerics: str):
 
     e.g. fast, fast:sdpa, fast:sdpa:notriton, fast:sdpa:cudnn, fast:triton:s8:bn64, hf;
     "fusedkv" / "nofusedkv": the Triton attention writes the step's K/V itself or not
-    (KernelOptions.fuse_kv_write); "inline": no combine kernel; "tlin": Triton decode linears
+    (KernelOptions.fuse_kv_write); "tlin": Triton decode linears
     (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
     "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": attn_dot;
     "pdl0" .. "pdl3": pdl (programmatic dependent launch); "pf<KiB>" /
@@ -226,8 +226,6 @@ def variant(numerics: str):
             decode.DECODE_SDPA_BACKENDS = None
         if f in ("fusedkv", "nofusedkv"):
             o["fuse_kv_write"] = f == "fusedkv"
-        if f == "inline":           # split programs combine their partials (no combine kernel)
-            o["attn_inline_combine"] = True
         if f in ("tlin", "cublas"):  # the decode linears in decode_triton.linear (fixed rule) / cuBLAS
             o["decode_linear"] = f == "tlin"
         if f == "torchargmax":

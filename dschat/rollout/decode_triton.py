@@ -83,9 +83,6 @@ class KernelOptions:
     attn_block_n: Optional[int] = None   # keys per inner step: 128 for head_dim <= 64, else 64
     attn_warps: Optional[int] = None     # 2 warps where one query head reads each K/V head
     attn_stages: Optional[int] = None    # software-pipelining stages of the key loop; None: Triton's
-    # Split programs merge their partial softmaxes themselves (the last to arrive, by an
-    # atomic counter) instead of a combine kernel. Off: a wash.
-    attn_inline_combine: bool = False
     # Scores and the value sum as tensor-core dots (bf16/fp16 caches). None: on for
     # head_dim >= 128 (faster there, slower at 64).
     attn_dot: Optional[bool] = None
@@ -581,11 +578,11 @@ if triton is not None:
 
     @triton.jit
     def _attn_split_kernel(q_ptr, kv_ptr, bias_ptr, pos_ptr, first_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                           new_ptr, count_ptr, Hkv, chunk, scale,
+                           new_ptr, Hkv, chunk, scale,
                            sq_b, sq_h, sq_g, skv_b, skv_h, skv_l, sb_b, sb_h, sn_b, sn_h, sn_v,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WHILE: tl.constexpr,
-                           FUSED: tl.constexpr, INLINE_COMBINE: tl.constexpr, DOT: tl.constexpr,
+                           FUSED: tl.constexpr, DOT: tl.constexpr,
                            GS: tl.constexpr, PDL: tl.constexpr, PF_N: tl.constexpr,
                            LINE: tl.constexpr, DP: tl.constexpr, PV_LOW: tl.constexpr,
                            SKIP_PAD: tl.constexpr):
@@ -678,14 +675,6 @@ if triton is not None:
             tl.store(l_ptr + row + offs_g, l_i, mask=smask)
             tl.store(acc_ptr + (row + offs_g[:, None]) * D + offs_d[None, :], acc,
                      mask=_lanes(smask[:, None], offs_d, D, DP))
-            if INLINE_COMBINE:
-                # every thread's partial stores precede the arrival (barrier, then the
-                # atomic's release at GPU scope); the last arrival merges and re-arms the counter
-                tl.debug_barrier()
-                arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
-                if arrived == SPLITS - 1:
-                    _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, bh, Hkv, G, GS, D, SPLITS, DP)
-                    tl.atomic_xchg(count_ptr + bh, 0)
 
     @triton.jit
     def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, Hkv,
@@ -725,22 +714,6 @@ def _warps(block_n: int, D: int, GP: int) -> int:
     if GP == 1:      # fewer idle lanes per GEMV: 2 beat 4 and 8 in attn_bench.py's sweep
         return 1 if _small_gemv(D, GP) else 2
     return 8 if block_n * D * GP >= 8192 else 4   # grouped queries: not swept
-
-
-_COUNTERS: dict = {}
-
-
-def _arrival_counters(n: int, device) -> "torch.Tensor | None":
-    """Zeroed int32 counters, one per (row, head), kept for the process: the kernel leaves
-    them at zero again, so one allocation serves every call and every captured graph.
-    None while a graph is being captured and none exist yet (a zero fill recorded into
-    one graph would not have run for another): the caller launches the combine kernel."""
-    key = (str(device), n)
-    if key not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 def _tensor_core_tf32(device) -> bool:
@@ -795,30 +768,27 @@ def decode_attention(q, kv, key_bias, pos, scale: float, new_kv=None, key_start=
     fused = new_kv is not None
     new = new_kv if fused else q
     stages = {"num_stages": _ACTIVE.attn_stages} if _ACTIVE.attn_stages else {}
-    count = _arrival_counters(B * Hkv, q.device) if _ACTIVE.attn_inline_combine and S > 1 else None
     pdl = _pdl_mode(q.device)
     DP = triton.next_power_of_2(D)           # head_dim lanes of the kernels' blocks
     line = 128 // kv.element_size()          # elements per 128-byte line; a slot is 2 * D
     pf_n = 0
     if pdl == 3 and _ACTIVE.pdl_prefetch_attn > 0:
         pf_n = _prefetch_count(min(chunk, _ACTIVE.pdl_prefetch_attn // (2 * D * kv.element_size())), 1)
-    inline = count is not None
-    count = count if inline else m
     skip = key_start is not None and _ACTIVE.attn_skip_pad
     if skip and (key_start.dtype != torch.int32 or key_start.shape != (B,) or key_start.stride(0) != 1):
         raise ValueError(f"key_start must be a contiguous int32 [{B}] tensor, got "
                          f"{key_start.dtype} {tuple(key_start.shape)}")
     _attn_split_kernel[(B * Hkv, S)](
-        q, kv, key_bias, pos, key_start if skip else pos, out, m, l, acc, new, count, Hkv, chunk,
+        q, kv, key_bias, pos, key_start if skip else pos, out, m, l, acc, new, Hkv, chunk,
         float(scale),
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2),
         key_bias.stride(0), sb_h, new.stride(0), new.stride(1), new.stride(2) if fused else 0,
         G=G, GP=GP, D=D, DP=DP, BLOCK_N=bn,
-        SPLITS=S, WHILE=_interpreting(), FUSED=fused, INLINE_COMBINE=inline, DOT=dot, GS=GS,
+        SPLITS=S, WHILE=_interpreting(), FUSED=fused, DOT=dot, GS=GS,
         PDL=pdl, PF_N=pf_n, LINE=line, PV_LOW=dot and _ACTIVE.attn_pv_low, SKIP_PAD=skip,
         num_warps=(_ACTIVE.attn_warps or 4) if dot else _warps(bn, D, GP), **stages,
         **_pdl_launch(pdl))
-    if S > 1 and not inline:
+    if S > 1:
         _attn_combine_kernel[(B * Hkv,)](m, l, acc, out, Hkv, G=G, GP=GS, D=D, SPLITS=S, PDL=pdl, DP=DP,
                                          num_warps=4, **_pdl_launch(pdl))
     return out

@@ -20,20 +20,19 @@ assert dt.available() and dt._interpreting()
 
 # kernels against their references: shapes with G = 1 (Bloom) and grouped queries
 gen = torch.Generator().manual_seed(0)
-ALL_ATTN = ((1, False, False), (2, False, False), (4, False, False), (2, True, False), (4, True, False),
-            (1, False, True), (4, False, True), (2, True, True))
+ALL_ATTN = ((1, False), (2, False), (4, False), (1, True), (2, True), (4, True))
 
 
 def check_attention(configs, pv_low=False):
-    """(splits, inline combine, tensor-core dots) each against the reference, with and
-    without the fused K/V write; query positions at block and split edges."""
-    for S, inline, dot in configs:
-        with use_options(KernelOptions(attn_splits=S, attn_inline_combine=inline, attn_dot=dot, attn_pv_low=pv_low)):
-            check_attention_one(S, inline)
+    """(splits, tensor-core dots) each against the reference, with and without the fused
+    K/V write; query positions at block and split edges."""
+    for S, dot in configs:
+        with use_options(KernelOptions(attn_splits=S, attn_dot=dot, attn_pv_low=pv_low)):
+            check_attention_one(S)
 
 
-def check_attention_one(S, inline):
-    """One (splits, inline) configuration, in force: every shape and query position."""
+def check_attention_one(S):
+    """One splits configuration, in force: every shape and query position."""
     for B, Hkv, G, D, L, Hb in [(2, 3, 1, 16, 200, 3), (2, 2, 4, 32, 130, 1)]:
         for p in (0, 63, 64, L - 2, L - 1):
             kv = torch.randn(B, Hkv, L, 2, D, generator=gen)
@@ -62,13 +61,11 @@ def check_attention_one(S, inline):
                 got_skip = dt.decode_attention(q, kv_skip, kb, pos, 0.1, new_kv=new, key_start=ks)
                 got_all = dt.decode_attention(q, kv_all, kb, pos, 0.1, new_kv=new)
                 assert torch.equal(kv_skip, kv_all) and torch.equal(got_skip, got_all), ("skip", S, G, p)
-    if inline:   # the last arrival re-armed every counter
-        assert all(int(c.abs().sum()) == 0 for c in dt._COUNTERS.values()), dt._COUNTERS
 
 
 check_attention(ALL_ATTN)
 # the tensor-core kernel's p.V with p rounded to the cache dtype
-check_attention(((1, False, True), (2, True, True)), pv_low=True)
+check_attention(((1, True), (2, True)), pv_low=True)
 
 
 def _no_reference(*args, **kwargs):
@@ -78,12 +75,12 @@ def _no_reference(*args, **kwargs):
 def check_padded_head_dim():
     """Head dims that are not a power of two (attn_pad_head_dim: one block of the next power
     of two, extra lanes masked), through the kernel itself (the reference is disabled while it
-    runs): plain, split (combine kernel and inline combine), fused K/V write, grouped queries."""
+    runs): plain, split (with the combine kernel), fused K/V write, grouped queries."""
     ref, write = dt.decode_attention_ref, dt.write_kv_ref
-    for (S, inline, dot), (B, Hkv, G, D, L, Hb) in itertools.product(
-            ((1, False, False), (2, False, False), (2, True, False), (2, True, True)),
+    for (S, dot), (B, Hkv, G, D, L, Hb) in itertools.product(
+            ((1, False), (2, False), (2, True)),
             ((2, 3, 1, 24, 150, 3), (2, 2, 4, 40, 130, 1))):
-        opts = KernelOptions(attn_splits=S, attn_inline_combine=inline, attn_dot=dot, attn_pad_head_dim=True)
+        opts = KernelOptions(attn_splits=S, attn_dot=dot, attn_pad_head_dim=True)
         for p in (0, 64, L - 1):
             kv = torch.randn(B, Hkv, L, 2, D, generator=gen)
             q = torch.randn(B, Hkv, G, D, generator=gen)
@@ -290,8 +287,8 @@ for family, kwargs in CONFIGS.items():
         want = model.generate(ids, attention_mask=mask, do_sample=False, **kw)
     outs = {}
     for fused in (False, True):
-        # the fused run also takes the split programs' inline combine and the tensor-core dots
-        opts = KernelOptions(fuse_kv_write=True, attn_splits=2, attn_inline_combine=True, attn_dot=True) if fused \
+        # the fused run also takes the split programs and the tensor-core dots
+        opts = KernelOptions(fuse_kv_write=True, attn_splits=2, attn_dot=True) if fused \
             else KernelOptions(fuse_kv_write=False)
         fg = decode.FastGenerator(model, max_prompt_len=12, max_new_tokens=10, attn_impl="triton",
                                   use_triton=True, kernel_options=opts)
