@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dschat.rollout import decode
-from dschat.rollout import decode_triton as dt
+from dschat.rollout import kernels as dt
 
 SHAPES = {  # name: (batch, kv heads, head_dim, cache length)
     "bloom-560m B16": (16, 16, 64, 512),
@@ -92,7 +92,7 @@ def main():
         ref = dt.decode_attention_ref(q, kv, bias, p, scale).float()
         # copies of the cache cycled through, larger than L2 together (as the decode linears'
         # timing cycles its weights), as in a decode step over all layers
-        caches = itertools.cycle(dt._weight_copies(kv)[0])
+        caches = itertools.cycle(dt.linears._weight_copies(kv)[0])
         Lb = min(L, ((pos + 1 + 63) // 64) * 64)        # the bmm path's length bucket
         variants = [("bmm (bucket %d)" % Lb, dict(impl="bmm"))]
         for splits, bn, warps, stages, fused in itertools.product(

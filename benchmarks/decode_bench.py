@@ -198,7 +198,7 @@ def variant(numerics: str):
     "fusedkv" / "nofusedkv": the Triton attention writes the step's K/V itself or not
     (KernelOptions.fuse_kv_write); "tlin": Triton decode linears
     (fixed rule); "cublas": every decode linear in cuBLAS (default: per-shape choice);
-    "torchargmax": torch's argmax (default: decode_triton.argmax); "dot" / "nodot": attn_dot;
+    "torchargmax": torch's argmax (default: kernels.argmax); "dot" / "nodot": attn_dot;
     "pdl0" .. "pdl3": pdl (programmatic dependent launch); "pf<KiB>" /
     "pfl<KiB>" / "pfa<KiB>": mode 3's L2 prefetch per program, linears and attention /
     linears (pdl_prefetch) / attention (pdl_prefetch_attn); "padhd": the
@@ -209,12 +209,12 @@ def variant(numerics: str):
     attention, p.V with p rounded to the cache dtype or in TF32 (attn_pv_low); "skippad" /
     "noskippad": the Triton attention skips each row's left padding or reads every slot
     (attn_skip_pad); "tma" / "notma": the TMA linears raced in the per-shape choice or not
-    (linear_tma). Every kernel switch is a field of decode_triton.KernelOptions, in force
+    (linear_tma). Every kernel switch is a field of kernels.KernelOptions, in force
     inside the block (FastGenerators built there keep them).
     """
     numerics, *flags = numerics.split(":")
     attn = next((f for f in flags if f in ("sdpa", "bmm", "triton")), None)
-    dtr = decode.decode_triton
+    dtr = decode.kernels
     saved = {(mod, name): getattr(mod, name) for mod, name in _KNOBS}
     o = {}                                   # KernelOptions fields the flags change
     for f in flags:
@@ -226,7 +226,7 @@ def variant(numerics: str):
             decode.DECODE_SDPA_BACKENDS = None
         if f in ("fusedkv", "nofusedkv"):
             o["fuse_kv_write"] = f == "fusedkv"
-        if f in ("tlin", "cublas"):  # the decode linears in decode_triton.linear (fixed rule) / cuBLAS
+        if f in ("tlin", "cublas"):  # the decode linears in kernels.linear (fixed rule) / cuBLAS
             o["decode_linear"] = f == "tlin"
         if f == "torchargmax":
             o["triton_argmax"] = False
@@ -431,7 +431,7 @@ def run_case(preset, dtype, B, P, T, args, numerics_list, agree, sample=False, s
             # the per-shape decode linears "auto" picked so far in this process
             # (op, rows, N, K, weight read through its transpose, dtype)
             row["linear_choices"] = {" ".join(map(str, k[1:7])) + f" pdl{k[-2]} pf{k[-1]}": str(v)
-                                     for k, (v, _) in decode.decode_triton._CHOICE.items()}
+                                     for k, (v, _) in decode.kernels.linears._CHOICE.items()}
         except Exception as exc:                       # keep the other cases going
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -1,5 +1,5 @@
 """Decode-step linear sweep on one GPU: cuBLAS (F.linear; the bias+GELU epilogue for fc1)
-against `dschat.rollout.decode_triton.linear` over its launch knobs, at the weight shapes of
+against `dschat.rollout.kernels.linear` over its launch knobs, at the weight shapes of
 bloom-560m and bloom-7b1 with 1, 16 and 64 rows, each call replayed from a CUDA graph as
 the fast decode path runs it. Prints the best Triton variants per shape and writes a table
 (microseconds, weight TB/s, max difference to cuBLAS).
@@ -17,7 +17,7 @@ import os
 import torch
 
 from benchmarks.attn_bench import graph_time_us, write_sweep
-from dschat.rollout import decode_triton as dt
+from dschat.rollout import kernels as dt
 
 SHAPES = {  # name: (N, K, bias+GELU epilogue)
     "560m qkv": (3072, 1024, False), "560m dense": (1024, 1024, False),
@@ -41,10 +41,10 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=None, help=f"Subset of {list(SHAPES)}.")
     ap.add_argument("--wide", action="store_true",
                     help="A wider grid (BLOCK_K up to 512, 4 or 8 warps, 3-6 stages; split-K + add+norm for the "
-                         "projections a norm follows), timed as decode_triton's per-shape choice times "
+                         "projections a norm follows), timed as the kernels' per-shape choice times "
                          "(over weight copies larger than L2).")
     ap.add_argument("--tma", action="store_true",
-                    help="The TMA linear (decode_triton._linear_tma: weight tiles by the tensor memory "
+                    help="The TMA linear (kernels/linears.py _linear_tma: weight tiles by the tensor memory "
                          "accelerator, optionally y.T = w @ x.T for warpgroup MMAs) over a grid of tiles, "
                          "stages and splits, against cuBLAS and the pointer-load kernels \"auto\" races, "
                          "timed as --wide times.")
@@ -115,30 +115,30 @@ def shape_cases(args, dev, M: int):
 
 
 def wide(args):
-    """The decode_triton "auto" candidates and a wider grid around them, at 16 rows."""
+    """The decode linears' "auto" candidates and a wider grid around them, at 16 rows."""
     dev, M = torch.device("cuda"), 16
     rows = []
     for name, N, K, gelu, x, w, b, norm, r, nw, nb in shape_cases(args, dev, M):
         nbytes = N * K * 2
-        copies, n_calls = dt._weight_copies(w)
+        copies, n_calls = dt.linears._weight_copies(w)
         if norm:
             def run(cfg, w_):
                 if cfg is None:
                     return dt.add_norm(torch.nn.functional.linear(x, w_, b), r, nw, nb, 1e-5, False)
-                return dt._launch_add_norm(None, r, nw, nb, 1e-5, False, parts=dt._linear_parts(x, w_, *cfg),
-                                           lin_b=b)
+                return dt.norm._launch_add_norm(None, r, nw, nb, 1e-5, False,
+                                                parts=dt.linears._linear_parts(x, w_, *cfg), lin_b=b)
             grid = [(sp, bn, bk, wa, st) for sp, bn, bk, wa, st in itertools.product(
                 (1, 2, 4, 8), (16, 32, 64), (128, 256, 512), (4, 8), (None, 4)) if bn * bk <= 16384]
         else:
             def run(cfg, w_):
                 if cfg is None:
                     return cublas(x, w_, b, gelu)
-                return dt._linear_triton(x, w_, b, gelu, *cfg)
+                return dt.linears._linear_triton(x, w_, b, gelu, *cfg)
             grid = [(bn, bk, wa, st) for bn, bk, wa, st in itertools.product(
                 (16, 32, 64), (128, 256, 512), (4, 8), (None, 3, 4, 6)) if bn * bk <= 16384]
         for cfg in [None] + grid:
             try:
-                us = dt._graph_us(lambda i: run(cfg, copies[i % len(copies)]), n_calls)
+                us = dt.linears._graph_us(lambda i: run(cfg, copies[i % len(copies)]), n_calls)
             except Exception:                  # a configuration Triton cannot compile here
                 us = float("nan")
             rows.append(dict(shape=name + (" +norm" if norm else ""), rows=M, variant=str(cfg or "cublas"),
@@ -147,7 +147,7 @@ def wide(args):
         base = next(r for r in mine if r["variant"] == "cublas")
         print(f"{name}: cublas {base['us']:.2f}us; best " + "; ".join(f"{r['variant']} {r['us']:.2f}us"
                                                                       for r in mine[:6]), flush=True)
-    write_sweep(args.out, "linear_wide", "decode linears (wide grid, PDL mode %d)" % dt._pdl_mode(dev),
+    write_sweep(args.out, "linear_wide", "decode linears (wide grid, PDL mode %d)" % dt.launch._pdl_mode(dev),
                 "rows", "weight TB/s", "-", rows)
 
 
@@ -162,7 +162,7 @@ def tma(args):
                 for st in ((4, 6) if bk <= 128 else (3, 4))]
     rows = []
     for name, N, K, gelu, x, w, b, norm, r, nw, nb in shape_cases(args, dev, M):
-        copies, n_calls = dt._weight_copies(w)
+        copies, n_calls = dt.linears._weight_copies(w)
         if norm:
             ref = dt.add_norm_ref(dt.linear_ref(x.float(), w.float(), b.float()), r.float(), nw.float(), nb.float(),
                                   1e-5, False)[1]
@@ -170,7 +170,8 @@ def tma(args):
             def run(cfg, w_):
                 if cfg is None:
                     return dt.add_norm(torch.nn.functional.linear(x, w_, b), r, nw, nb, 1e-5, False)[1]
-                return dt._launch_add_norm(None, r, nw, nb, 1e-5, False, parts=dt._run_parts(x, w_, cfg), lin_b=b)[1]
+                return dt.norm._launch_add_norm(None, r, nw, nb, 1e-5, False,
+                                                parts=dt.linears._run_parts(x, w_, cfg), lin_b=b)[1]
             grid = [("tma", sp, swap, bn, bk, 4, st) for sp in (1, 2, 4, 8) for swap, bn, bk, st in tma_grid]
         else:
             ref = dt.linear_ref(x.float(), w.float(), b.float() if b is not None else None, gelu)
@@ -178,14 +179,14 @@ def tma(args):
             def run(cfg, w_):
                 if cfg is None:
                     return cublas(x, w_, b, gelu)
-                return dt._run_linear(x, w_, b, gelu, cfg)
+                return dt.linears._run_linear(x, w_, b, gelu, cfg)
             grid = [("tma", 1, swap, bn, bk, 4, st) for swap, bn, bk, st in tma_grid]
-        old = list(dt._linear_candidates(K, parts=norm).values())
+        old = list(dt.linears._linear_candidates(K, parts=norm).values())
         for cfg in old + grid:
             kind = "cublas" if cfg is None else ("tma" if cfg[0] == "tma" else "auto")
             try:
                 err = ((run(cfg, w).float() - ref).abs().max() / ref.abs().max()).item()
-                us = dt._graph_us(lambda i: run(cfg, copies[i % len(copies)]), n_calls)
+                us = dt.linears._graph_us(lambda i: run(cfg, copies[i % len(copies)]), n_calls)
             except Exception as exc:           # a tile that does not fit or compile here
                 us, err = float("nan"), float("nan")
                 print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
@@ -199,7 +200,7 @@ def tma(args):
         print(f"{name}: cublas {cb['us']:.2f} us, auto's best {au['variant'][5:]} {au['us']:.2f} us; TMA best "
               + "; ".join(f"{r['variant'][4:]} {r['us']:.2f} us (err {r['err']:.1e})" for r in tm[:5])
               + f"; TMA / auto {tm[0]['us'] / min(au['us'], cb['us']):.3f}", flush=True)
-    write_sweep(args.out, "linear_tma", "decode linears, TMA (PDL mode %d)" % dt._pdl_mode(dev), "rows",
+    write_sweep(args.out, "linear_tma", "decode linears, TMA (PDL mode %d)" % dt.launch._pdl_mode(dev), "rows",
                 "weight TB/s", "max abs diff / max |ref|", rows)
 
 

@@ -112,7 +112,7 @@ def test_decode_bench_variant_sets_and_restores_switches():
     spec = importlib.util.spec_from_file_location("decode_bench", REPO / "benchmarks" / "decode_bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    dtr = bench.decode.decode_triton
+    dtr = bench.decode.kernels
     before = {name: getattr(mod, name) for mod, name in bench._KNOBS}
     defaults = dtr.options()
     with bench.variant("fast:triton:s2:bn64:aw1:cublas:pdl1:pfa16:nogated:cudnn") as (numerics, attn, flags):

@@ -280,7 +280,7 @@ def test_supported_configs():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pdl", [None, 0, 1, 2])   # None: 3 on compute capability 9+
 def test_cuda_graph_matches_eager_and_hf(pdl):
-    from dschat.rollout.decode_triton import KernelOptions
+    from dschat.rollout.kernels import KernelOptions
     opts = KernelOptions(pdl=pdl)                # programmatic dependent launch modes
     torch.manual_seed(0)
     model = _bloom().cuda().eval()
@@ -317,14 +317,14 @@ def _options(**changes):
     """The kernel options in force with `changes`, for a with-block."""
     import dataclasses
 
-    from dschat.rollout import decode_triton as dt
+    from dschat.rollout import kernels as dt
     return dt.use_options(dataclasses.replace(dt.options(), **changes))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_kernels_match_reference():
-    from dschat.rollout import decode_triton as dt
+    from dschat.rollout import kernels as dt
     if not dt.available():
         pytest.skip("Triton not importable")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -395,14 +395,14 @@ def test_triton_kernels_match_reference():
                 r = r.view(M, N)
                 want_lin = dt.linear_ref(x, w, b).float()
                 want = [t.float() for t in dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)]
-                tma = dt._tma_ok(x, w)     # bf16 / fp16 on Hopper: the TMA candidates too
-                for cfg in [None] + list(dt._linear_candidates(K, parts=True, tma=tma).values())[1:]:
+                tma = dt.linears._tma_ok(x, w)     # bf16 / fp16 on Hopper: the TMA candidates too
+                for cfg in [None] + list(dt.linears._linear_candidates(K, parts=True, tma=tma).values())[1:]:
                     with _options(linear_force={"linear+norm": cfg}):
                         for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
                             torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
                 # an x TMA cannot address (rows 2 (K + 1) bytes apart) takes the pointer loads
                 x_odd = torch.zeros(M, K + 1, device="cuda", dtype=dtype)[:, :K].copy_(x)
-                for cfg in [None] + list(dt._linear_candidates(K, parts=False, tma=tma).values())[1:]:
+                for cfg in [None] + list(dt.linears._linear_candidates(K, parts=False, tma=tma).values())[1:]:
                     with _options(linear_force={"linear": cfg}):
                         torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
                         torch.testing.assert_close(dt.tuned_linear(x_odd, w, b).float(), want_lin,
@@ -433,7 +433,7 @@ def test_triton_kernels_match_reference():
         y2, r = y2.view(M, N), r.view(M, N)
         want = [t.float() for t in dt.add_norm_ref(dt.linear_ref(x, w, b), r, w1, b1, 1e-5, False, y2,
                                                     (w2, b2, 1e-6))]
-        for cfg in [None] + list(dt._linear_candidates(K, parts=True).values())[1:]:
+        for cfg in [None] + list(dt.linears._linear_candidates(K, parts=True).values())[1:]:
             with _options(linear_force={"linear+norm": cfg}):
                 got = dt.linear_add_norm(x, w, b, r, w1, b1, 1e-5, False, y2, (w2, b2, 1e-6))
                 assert len(got) == 3
@@ -452,11 +452,11 @@ def test_triton_kernels_match_reference():
             b, r, nw, nb = (torch.randn(n, device="cuda", generator=g).to(dtype) for n in (N, M * N, N, N))
             r = r.view(M, N)
             want_lin = dt.linear_ref(x, w, b).float()
-            for cfg in [None] + list(dt._linear_candidates(K, parts=False, transposed=True).values())[1:]:
+            for cfg in [None] + list(dt.linears._linear_candidates(K, parts=False, transposed=True).values())[1:]:
                 with _options(linear_force={"linear": cfg}):
                     torch.testing.assert_close(dt.tuned_linear(x, w, b).float(), want_lin, atol=tol * 4, rtol=tol)
             want = [t.float() for t in dt.add_norm_ref(dt.linear_ref(x, w, b), r, nw, nb, 1e-5, False)]
-            for cfg in list(dt._linear_candidates(K, parts=True, transposed=True).values())[1:]:
+            for cfg in list(dt.linears._linear_candidates(K, parts=True, transposed=True).values())[1:]:
                 with _options(linear_force={"linear+norm": cfg}):
                     for a, e in zip(dt.linear_add_norm(x, w, b, r, nw, nb, 1e-5, False), want):
                         torch.testing.assert_close(a.float(), e, atol=tol * 4, rtol=tol)
@@ -465,7 +465,8 @@ def test_triton_kernels_match_reference():
         x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
         wg, wu = ((torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype) for _ in range(2))
         want = dt.gated_ref(x, wg, None, wu, None)
-        for cfg in [None] + list(dt._linear_candidates(K, parts=False, tma=dt._tma_ok(x, wg), weights=2).values())[1:]:
+        cands = dt.linears._linear_candidates(K, parts=False, tma=dt.linears._tma_ok(x, wg), weights=2)
+        for cfg in [None] + list(cands.values())[1:]:
             with _options(linear_force={"gated": cfg}):
                 torch.testing.assert_close(dt.gated_mlp(x, wg, None, wu, None).float(), want.float(),
                                            atol=tol * 4, rtol=tol)
@@ -475,7 +476,8 @@ def test_triton_kernels_match_reference():
         w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
         b = torch.randn(N, device="cuda", generator=g).to(dtype)
         want = dt.linear_ref(x, w, b, "erf").float()
-        for cfg in [None] + list(dt._linear_candidates(K, parts=False, tma=dt._tma_ok(x, w)).values())[1:]:
+        cands = dt.linears._linear_candidates(K, parts=False, tma=dt.linears._tma_ok(x, w))
+        for cfg in [None] + list(cands.values())[1:]:
             with _options(linear_force={"linear": cfg}):
                 torch.testing.assert_close(dt.tuned_linear(x, w, b, gelu="erf").float(), want, atol=tol * 4, rtol=tol)
 
@@ -496,18 +498,18 @@ def test_triton_kernels_in_the_cpu_interpreter():
 def test_programmatic_dependent_launch_only_on_hopper_cuda(monkeypatch):
     """PDL is a launch attribute of CUDA compute capability 9+: never requested on the CPU
     or in Triton's interpreter, whatever KernelOptions.pdl says."""
-    from dschat.rollout import decode_triton as dt
+    from dschat.rollout import kernels as dt
     for mode in (None, 1, 2, 3):
         with dt.use_options(dt.KernelOptions(pdl=mode)):
-            assert dt._pdl_mode(torch.device("cpu")) == 0
-            assert dt._pdl_launch(dt._pdl_mode(torch.device("cpu"))) == {}
+            assert dt.launch._pdl_mode(torch.device("cpu")) == 0
+            assert dt.launch._pdl_launch(dt.launch._pdl_mode(torch.device("cpu"))) == {}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert dt._interpreting() and dt._pdl_mode(torch.device("cuda")) == 0
-    assert dt._pdl_launch(2) == {"launch_pdl": True}
+    assert dt.launch._interpreting() and dt.launch._pdl_mode(torch.device("cuda")) == 0
+    assert dt.launch._pdl_launch(2) == {"launch_pdl": True}
     monkeypatch.setattr(torch.version, "cuda", "12.1")
-    assert not dt._cuda_at_least(12, 3)
+    assert not dt.launch._cuda_at_least(12, 3)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    assert dt._cuda_at_least(12, 3)
+    assert dt.launch._cuda_at_least(12, 3)
 
 
 def test_head_dim_not_a_power_of_two(monkeypatch):
@@ -515,7 +517,7 @@ def test_head_dim_not_a_power_of_two(monkeypatch):
     attention pads head_dim to a power-of-two block (KernelOptions.attn_pad_head_dim, the default). With
     the padding off such models decode with baddbmm, and the kernel's entry point answers
     with the reference instead of failing to compile."""
-    from dschat.rollout import decode_triton as dt
+    from dschat.rollout import kernels as dt
     from dschat.rollout.decode import _DecodeBlock
     assert dt.KernelOptions().attn_pad_head_dim
     assert _DecodeBlock.default_attention(80, "fast", True) == "triton"
@@ -542,16 +544,16 @@ def test_head_dim_not_a_power_of_two(monkeypatch):
 def test_l2_prefetch_lengths():
     """Mode 3's prefetch per program: about KernelOptions.pdl_prefetch bytes as a power of two of whole
     128-byte lines, never past the program's K slice, nothing outside mode 3 or at 0 bytes."""
-    from dschat.rollout import decode_triton as dt
+    from dschat.rollout import kernels as dt
     w = torch.empty(8, 8, dtype=torch.bfloat16)
-    assert dt._prefetch_args(3, 32, 4096, w) == {"PF_K": 8192 // (32 * 2), "LINE": 64}
-    assert dt._prefetch_args(3, 16, 4096, w)["PF_K"] == 256
-    assert dt._prefetch_args(3, 64, 4096, w)["PF_K"] == 64      # below a line per row: one line
-    assert dt._prefetch_args(3, 16, 100, w)["PF_K"] == 64       # K slice of 100: one line
-    assert dt._prefetch_args(3, 16, 200, w)["PF_K"] == 128
-    assert dt._prefetch_args(1, 32, 4096, w)["PF_K"] == 0
-    assert dt._prefetch_args(3, 32, 4096, w.float())["LINE"] == 32
+    assert dt.linears._prefetch_args(3, 32, 4096, w) == {"PF_K": 8192 // (32 * 2), "LINE": 64}
+    assert dt.linears._prefetch_args(3, 16, 4096, w)["PF_K"] == 256
+    assert dt.linears._prefetch_args(3, 64, 4096, w)["PF_K"] == 64      # below a line per row: one line
+    assert dt.linears._prefetch_args(3, 16, 100, w)["PF_K"] == 64       # K slice of 100: one line
+    assert dt.linears._prefetch_args(3, 16, 200, w)["PF_K"] == 128
+    assert dt.linears._prefetch_args(1, 32, 4096, w)["PF_K"] == 0
+    assert dt.linears._prefetch_args(3, 32, 4096, w.float())["LINE"] == 32
     with dt.use_options(dt.KernelOptions(pdl_prefetch=0)):
-        assert dt._prefetch_args(3, 32, 4096, w)["PF_K"] == 0
+        assert dt.linears._prefetch_args(3, 32, 4096, w)["PF_K"] == 0
     assert dt.options().pdl_prefetch == 8192
-    assert [dt._prefetch_count(n, 1) for n in (0, 1, 15, 16, 17)] == [1, 1, 8, 16, 16]
+    assert [dt.launch._prefetch_count(n, 1) for n in (0, 1, 15, 16, 17)] == [1, 1, 8, 16, 16]

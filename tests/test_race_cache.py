@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from dschat.rollout import decode_triton, race_cache
+from dschat.rollout import race_cache
+from dschat.rollout.kernels import linears
 from dschat.rollout.race_cache import RaceCache
 
 IDENTITY = {"gpu": "NVIDIA H200", "capability": "9.0", "sms": 132, "torch": "2.11.0", "cuda": "13.0",
@@ -79,26 +80,26 @@ def test_an_unwritable_folder_leaves_the_run_uncached(tmp_path):
 
 @pytest.fixture
 def disk_on_cpu(tmp_path, monkeypatch):
-    """decode_triton's race with its disk cache under tmp_path, a CPU device standing in for
+    """The decode linears' race with its disk cache under tmp_path, a CPU device standing in for
     a GPU of IDENTITY (off CUDA nothing is timed: a call that finds no usable entry is None)."""
     monkeypatch.setenv("DSCHAT_KERNEL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(decode_triton, "_device_identity", lambda device: IDENTITY)
-    monkeypatch.setattr(decode_triton, "_DISK", {})
-    monkeypatch.setattr(decode_triton, "_CHOICE", {})
+    monkeypatch.setattr(linears, "_device_identity", lambda device: IDENTITY)
+    monkeypatch.setattr(linears, "_DISK", {})
+    monkeypatch.setattr(linears, "_CHOICE", {})
     return RaceCache(tmp_path, IDENTITY)
 
 
 def _choose_on_cpu(n=3072, k=1024):
     w = torch.zeros(n, k)
     key = ("cpu", "linear", 16, n, k, False, "torch.bfloat16", True, False, 3, (8192, 8192), True, 0.97)
-    return decode_triton._choose(key, lambda cfg, w_: None, w)
+    return linears._choose(key, lambda cfg, w_: None, w)
 
 
 def test_the_race_takes_a_cached_winner_it_would_have_offered(disk_on_cpu):
     disk_on_cpu.put(KEY, "triton n32 k256", (32, 256))
     assert _choose_on_cpu() == (32, 256)
-    decode_triton._CHOICE.clear()
-    decode_triton._DISK.clear()
+    linears._CHOICE.clear()
+    linears._DISK.clear()
     disk_on_cpu.put(KEY, "triton n32 k256 w8 st3", (32, 256, 8, 3))          # a refined config
     assert _choose_on_cpu() == (32, 256, 8, 3)
 

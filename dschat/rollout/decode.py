@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dschat.registry import UnknownModelTypeError, family_of, resolve, unwrap_peft
-from dschat.rollout import decode_triton
-from dschat.rollout.decode_triton import add_norm_ref
+from dschat.rollout import kernels
+from dschat.rollout.kernels import add_norm_ref
 from dschat.utils.logging import get_logger
 from dschat.utils.tensor_ops import positions_from_mask
 
@@ -164,7 +164,7 @@ def _attend_decode(q, kv, Lb: int, bias, scale: float, impl: str, pos=None, key_
     first visible slot (blocks of padding before it are not read).
     """
     if impl == "triton":
-        return decode_triton.decode_attention(q, kv, bias, pos, scale, key_start=key_start)
+        return kernels.decode_attention(q, kv, bias, pos, scale, key_start=key_start)
     B, Hkv, G, D = q.shape
     k = kv[:, :, :Lb, 0]
     v = kv[:, :, :Lb, 1]
@@ -219,12 +219,12 @@ class _DecodeBlock:
 
     def __init__(self, model, *, numerics: str, fuse_qkv: bool, on_cuda: bool,
                  attn_impl: Optional[str] = None, use_triton: bool = False,
-                 kernel_options: Optional[decode_triton.KernelOptions] = None):
+                 kernel_options: Optional[kernels.KernelOptions] = None):
         self.model = model
-        self.kopts = kernel_options or decode_triton.options()
+        self.kopts = kernel_options or kernels.options()
         # residual add + next norm: one Triton kernel per norm in the decode step
         self.use_triton = use_triton
-        self.add_norm = decode_triton.add_norm if use_triton else add_norm_ref
+        self.add_norm = kernels.add_norm if use_triton else add_norm_ref
         self.config = model.config
         self.fam = family_of(model)
         self.numerics = numerics
@@ -232,8 +232,8 @@ class _DecodeBlock:
         # kernels (KernelOptions.decode_linear); 2-D inputs only, so the prompt's 3-D ones
         # and numerics "hf" keep F.linear
         mode = self.kopts.decode_linear if (use_triton and numerics == "fast") else False
-        self.lin = (decode_triton.tuned_linear if mode == "auto" else
-                    decode_triton.linear if mode is True else _lin)
+        self.lin = (kernels.tuned_linear if mode == "auto" else
+                    kernels.linear if mode is True else _lin)
         self.fuse_qkv = fuse_qkv
         self.on_cuda = on_cuda
         self._derived: dict[str, torch.Tensor] = {}
@@ -308,9 +308,9 @@ class _DecodeBlock:
         return F.layer_norm(x, (x.shape[-1],), ln[0], ln[1], ln[2])
 
     def rope_(self, x, cos, sin) -> None:
-        """Rotary in place on x [B, H, J, D] (decode_triton.rope_ref_ says how); one Triton
+        """Rotary in place on x [B, H, J, D] (kernels.rope_ref_ says how); one Triton
         kernel where Triton is allowed."""
-        (decode_triton.rope_ if self.use_triton else decode_triton.rope_ref_)(x, cos, sin)
+        (kernels.rope_ if self.use_triton else kernels.rope_ref_)(x, cos, sin)
 
     def norms(self, x):
         """The fused add+norm for this tensor (the Triton one only for 2-D decode tensors)."""
@@ -321,8 +321,8 @@ class _DecodeBlock:
         after a block's output projections (add_norm_ref says what y2 and second add). With
         per-shape linears ("auto") one tuned op for decode tensors, where the linear may be
         split over K into partials that the norm kernel sums."""
-        if self.lin is decode_triton.tuned_linear and a.dim() == 2:
-            return decode_triton.linear_add_norm(a, lin[0], lin[1], r, nw, nb, eps, rms, y2, second)
+        if self.lin is kernels.tuned_linear and a.dim() == 2:
+            return kernels.linear_add_norm(a, lin[0], lin[1], r, nw, nb, eps, rms, y2, second)
         return self.norms(a)(self.lin(a, *lin), r, nw, nb, eps, rms, y2, second)
 
     @property
@@ -339,9 +339,9 @@ class _DecodeBlock:
         then q against the cache (see _attend_decode). The Triton kernel writes the K/V
         itself where KernelOptions.fuse_kv_write."""
         if self.attn_impl == "triton" and self.kopts.fuse_kv_write:
-            return decode_triton.decode_attention(q, kv, bias, pos, self.scale, new_kv=new_kv,
+            return kernels.decode_attention(q, kv, bias, pos, self.scale, new_kv=new_kv,
                                                   key_start=key_start)
-        decode_triton.write_kv_ref(kv, new_kv, pos)
+        kernels.write_kv_ref(kv, new_kv, pos)
         return _attend_decode(q, kv, Lb, bias, self.scale, self.attn_impl, pos, key_start)
 
 
@@ -403,13 +403,13 @@ class _BloomBlock(_DecodeBlock):
         if exact:                  # HF's bloom_gelu_forward, each intermediate rounded as HF's
             y = _lin(h, *fc1)
             if self.use_triton and y.dim() == 2:
-                return decode_triton.hf_gelu(y)
-            return decode_triton.hf_gelu_ref(y)
-        if self.lin is decode_triton.tuned_linear and h.dim() == 2:
-            return decode_triton.tuned_linear(h, *fc1, gelu=True,
+                return kernels.hf_gelu(y)
+            return kernels.hf_gelu_ref(y)
+        if self.lin is kernels.tuned_linear and h.dim() == 2:
+            return kernels.tuned_linear(h, *fc1, gelu=True,
                                               epilogue=self.gelu_epilogue and h.shape[0] > 1)
-        if self.lin is decode_triton.linear and h.dim() == 2:
-            return decode_triton.linear(h, *fc1, gelu=True)
+        if self.lin is kernels.linear and h.dim() == 2:
+            return kernels.linear(h, *fc1, gelu=True)
         if self.gelu_epilogue and h.dim() == 2 and h.shape[0] > 1:
             # cuBLASLt bias+GELU(tanh) epilogue: one kernel instead of two
             return torch._addmm_activation(fc1[1], h, fc1[0].t(), use_gelu=True)
@@ -694,8 +694,8 @@ class _LlamaBlock(_DecodeBlock):
         return torch.cat([self.lin(h, *lay[n]) for n in "qkv"], dim=-1).view(shape)
 
     def _mlp_inner(self, h, lay):
-        if self.silu and self.kopts.fuse_gated and self.lin is decode_triton.tuned_linear and h.dim() == 2:
-            return decode_triton.gated_mlp(h, *lay["gate"], *lay["up"])    # one kernel where faster
+        if self.silu and self.kopts.fuse_gated and self.lin is kernels.tuned_linear and h.dim() == 2:
+            return kernels.gated_mlp(h, *lay["gate"], *lay["up"])    # one kernel where faster
         return lay["act"](self.lin(h, *lay["gate"])) * self.lin(h, *lay["up"])
 
     def _body(self, x, attend):
@@ -718,7 +718,7 @@ class _LlamaBlock(_DecodeBlock):
 
         def attend(li, h):
             qkv = self._qkv(h, self.layers[li])                # [B, P, Hq+2Hkv, D], fresh
-            decode_triton.rope_ref_(qkv[:, :, :Hq + Hkv], cos, sin)     # q and k rows in place
+            kernels.rope_ref_(qkv[:, :, :Hq + Hkv], cos, sin)     # q and k rows in place
             k, v = qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
             kv[li, :, :, :P].copy_(torch.stack((k, v), dim=3).transpose(1, 2))
             return _attend_prefill(qkv[:, :, :Hq].transpose(1, 2), k.transpose(1, 2),
@@ -785,7 +785,7 @@ class _GPT2Block(_OPTBlock):
         decode tensors; any other activation, and prefill, through HF's module."""
         if self.config.activation_function != "gelu_new" or not self.use_triton:
             return hf_act
-        return lambda y: decode_triton.new_gelu(y) if y.dim() == 2 else hf_act(y)
+        return lambda y: kernels.new_gelu(y) if y.dim() == 2 else hf_act(y)
 
     def rebuild(self):
         pass
@@ -857,7 +857,7 @@ class _GPTNeoXBlock(_DecodeBlock):
     _rope_tables = _LlamaBlock._rope_tables
 
     def _mlp(self, h, lay):
-        if self.erf_gelu and h.dim() == 2 and self.lin in (decode_triton.tuned_linear, decode_triton.linear):
+        if self.erf_gelu and h.dim() == 2 and self.lin in (kernels.tuned_linear, kernels.linear):
             return self.lin(h, *lay["fc1"], gelu="erf")
         return lay["act"](self.lin(h, *lay["fc1"]))
 
@@ -890,7 +890,7 @@ class _GPTNeoXBlock(_DecodeBlock):
 
         def attend(li, h):
             qkv = _lin(h, *self.layers[li]["qkv"]).view(B, P, H, 3, D)
-            decode_triton.rope_ref_(qkv[:, :, :, 0:2], cos, sin)       # q and k rows in place
+            kernels.rope_ref_(qkv[:, :, :, 0:2], cos, sin)       # q and k rows in place
             kv[li, :, :, :P].copy_(qkv[:, :, :, 1:3].transpose(1, 2))
             q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
             return _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)
@@ -985,8 +985,8 @@ class FastGenerator:
     `use_triton` (None: on for CUDA where Triton imports) fuses residual adds with norms (and
     HF's op-by-op GELU under numerics="hf"); attn_impl="triton" is an opt-in flash-decoding
     kernel that reads the filled length on the device (one graph per batch bucket).
-    `kernel_options` (decode_triton.KernelOptions; None: those in force when it is built,
-    the defaults unless inside `decode_triton.use_options`) are the Triton kernels' launch
+    `kernel_options` (kernels.KernelOptions; None: those in force when it is built,
+    the defaults unless inside `kernels.use_options`) are the Triton kernels' launch
     choices, in force during this generator's calls.
     """
 
@@ -995,7 +995,7 @@ class FastGenerator:
                  numerics: str = "fast", fuse_qkv: Optional[bool] = None,
                  length_bucket: int = LENGTH_BUCKET, check_every: int = 16,
                  attn_impl: Optional[str] = None, use_triton: Optional[bool] = None,
-                 kernel_options: Optional[decode_triton.KernelOptions] = None):
+                 kernel_options: Optional[kernels.KernelOptions] = None):
         model = unwrap_peft(model)
         reason = fast_decode_unsupported_reason(model, max_total_len=max_prompt_len + max_new_tokens)
         if reason is not None:
@@ -1005,7 +1005,7 @@ class FastGenerator:
         if max_prompt_len < 1 or max_new_tokens < 1:
             raise ValueError("max_prompt_len and max_new_tokens must be >= 1")
         self.model = model
-        self.kernel_options = kernel_options or decode_triton.options()
+        self.kernel_options = kernel_options or kernels.options()
         dev = next(model.parameters()).device
         on_cuda = dev.type == "cuda"
         self.use_cuda_graph = on_cuda if use_cuda_graph is None else bool(use_cuda_graph)
@@ -1020,7 +1020,7 @@ class FastGenerator:
         self.block: _DecodeBlock = _BLOCKS[key](
             model, numerics=numerics, fuse_qkv=on_cuda if fuse_qkv is None else bool(fuse_qkv),
             on_cuda=on_cuda, attn_impl=attn_impl,
-            use_triton=(on_cuda and decode_triton.available()) if use_triton is None else bool(use_triton),
+            use_triton=(on_cuda and kernels.available()) if use_triton is None else bool(use_triton),
             kernel_options=self.kernel_options)
         self.block.rebuild()
         self._pointers = self.block.pointers()
@@ -1054,7 +1054,7 @@ class FastGenerator:
     def generate(self, input_ids, attention_mask, **kwargs) -> torch.LongTensor:
         """Left-padded prompts [B, P] -> [B, P + T] like HF generate, with this generator's
         kernel options in force (arguments: `_checked_generate`)."""
-        with decode_triton.use_options(self.kernel_options):
+        with kernels.use_options(self.kernel_options):
             return self._checked_generate(input_ids, attention_mask, **kwargs)
 
     def _checked_generate(self, input_ids, attention_mask, *, max_new_tokens: Optional[int] = None,
@@ -1189,8 +1189,8 @@ class FastGenerator:
             e = ws.eos_tensor(mode.eos)
             blocked = ws.t < ws.min_new
             logits.index_copy_(1, e, logits.index_select(1, e).masked_fill(blocked, float("-inf")))
-        argmax = (decode_triton.argmax if self.block.use_triton and self.block.kopts.triton_argmax
-                  else decode_triton.argmax_ref)
+        argmax = (kernels.argmax if self.block.use_triton and self.block.kopts.triton_argmax
+                  else kernels.argmax_ref)
         if not mode.do_sample:
             return argmax(logits)
         x = logits.float()

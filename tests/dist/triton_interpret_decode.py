@@ -13,10 +13,10 @@ import triton.language as tl
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dschat.rollout import decode
-from dschat.rollout import decode_triton as dt
-from dschat.rollout.decode_triton import KernelOptions, use_options
+from dschat.rollout import kernels as dt
+from dschat.rollout.kernels import KernelOptions, use_options
 
-assert dt.available() and dt._interpreting()
+assert dt.available() and dt.launch._interpreting()
 
 # kernels against their references: shapes with G = 1 (Bloom) and grouped queries
 gen = torch.Generator().manual_seed(0)
@@ -90,14 +90,14 @@ def check_padded_head_dim():
             kv_ref = kv.clone()
             write(kv_ref, new, pos)
             want_plain, want_fused = ref(q, kv, kb, pos, 0.1), ref(q, kv_ref, kb, pos, 0.1)
-            dt.decode_attention_ref = dt.write_kv_ref = _no_reference
+            dt.attention.decode_attention_ref = dt.attention.write_kv_ref = _no_reference
             try:
                 with use_options(opts):
                     got_plain = dt.decode_attention(q, kv, kb, pos, 0.1)
                     kv_fused = kv.clone()
                     got_fused = dt.decode_attention(q, kv_fused, kb, pos, 0.1, new_kv=new)
             finally:
-                dt.decode_attention_ref, dt.write_kv_ref = ref, write
+                dt.attention.decode_attention_ref, dt.attention.write_kv_ref = ref, write
             torch.testing.assert_close(got_plain, want_plain, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got_fused, want_fused, atol=1e-5, rtol=1e-5)
             assert torch.equal(kv_fused, kv_ref), ("padded fused K/V write", S, D, p)
@@ -120,11 +120,11 @@ def check_rope():
             sin = torch.cat((-sin[:, :R // 2], sin[:, R // 2:]), dim=-1)
             got, want = qkv.clone(), qkv.clone()
             view = (lambda t: t.view(B, 3 * H, 1, D)[:, :2 * H]) if layout == "llama" else (lambda t: t[:, :, 0:2])
-            dt.rope_ref_, ref = _no_reference, dt.rope_ref_
+            dt.elementwise.rope_ref_, ref = _no_reference, dt.rope_ref_
             try:
                 dt.rope_(view(got), cos, sin)
             finally:
-                dt.rope_ref_ = ref
+                dt.elementwise.rope_ref_ = ref
             ref(view(want), cos, sin)
             if dtype == torch.float32:
                 assert torch.equal(got, want), (dtype, layout, D, R)
@@ -210,7 +210,7 @@ def check_linears():
         w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(bf)
         b = torch.randn(N, generator=gen).to(bf)
         x_odd = torch.randn(M, K + 3, generator=gen).to(bf)[:, :K]      # rows 2 (K + 3) bytes apart
-        assert dt._tma_ok(x, w)
+        assert dt.linears._tma_ok(x, w)
         for xx, gelu in ((x, False), (x, "tanh"), (x_odd, "erf")):
             with use_options(KernelOptions(linear_force={"linear": ("tma", 1, swap, bn, bk)})):
                 torch.testing.assert_close(dt.tuned_linear(xx, w, b, gelu=gelu).float(),
@@ -223,7 +223,7 @@ def check_linears():
                     torch.testing.assert_close(a.float(), e.float(), atol=8e-2, rtol=2e-2)
         # a weight TMA cannot address (base 2 bytes off 16) gets cuBLAS's path, not a TMA launch
         w_odd = torch.empty(N * K + 1, dtype=bf)[1:].view(N, K).copy_(w)
-        assert not dt._tma_ok(x, w_odd)
+        assert not dt.linears._tma_ok(x, w_odd)
         with use_options(KernelOptions(linear_force={"linear": ("tma", 1, swap, bn, bk)})):
             assert torch.equal(dt.tuned_linear(x, w_odd, b), dt.linear_ref(x, w_odd, b))
         u = (torch.randn(N, K, generator=gen) / K ** 0.5).to(bf)             # LLaMA's gate and up
@@ -242,10 +242,14 @@ check_linears()
 # again in the programmatic-dependent-launch layout (PDL mode 2: the linears read their first
 # weight tile before the grid-dependency wait); the interpreter has no grid dependency
 # control, so the wait is a no-op here and the kernels' arithmetic is what is checked
-real = dt._pdl_enter, dt._pdl_mode, dt._pdl_launch
-dt._pdl_enter, dt._pdl_mode, dt._pdl_launch = _no_wait, (lambda device: 2), (lambda mode: {})
+# (the launch helpers as the linear and add+norm modules hold them)
+real = {(mod, name): getattr(mod, name) for mod in (dt.linears, dt.norm)
+        for name in ("_pdl_enter", "_pdl_mode", "_pdl_launch")}
+for mod in (dt.linears, dt.norm):
+    mod._pdl_enter, mod._pdl_mode, mod._pdl_launch = _no_wait, (lambda device: 2), (lambda mode: {})
 check_linears()
-dt._pdl_enter, dt._pdl_mode, dt._pdl_launch = real
+for (mod, name), value in real.items():
+    setattr(mod, name, value)
 # argmax: the first of tied maxima (ties within and across slices), all -inf rows, bf16
 x = torch.randint(0, 7, (5, 9000), generator=gen).float()
 x[1] = float("-inf")
