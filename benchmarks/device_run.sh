@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One run of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
 # on the GPU machine with the wheels of benchmarks/GPU_SETUP.md in .whl/:
-#   bash benchmarks/device_run.sh gen|step3|step3fam|decode|profile7b OUT_DIR
+#   bash benchmarks/device_run.sh gen|step3|step3fam|decode|profile7b|start|trl OUT_DIR
 # step3fam: step 3 (fast path, 3 steps) with a GPT-NeoX, a LLaMA (grouped-query) and a GPT-2
 #   actor and critic, each at ZeRO-3 on one GPU
 # decode: the attention and linear kernel sweeps, then the off-by-default candidates end to end
 # profile7b: where the bloom-7b1 step goes over the whole run (graph-replay profile of all 256
 #   steps), then the attention sweep at that model's shape and mean key count
+# start: the fast path's first call in cold, warm and race-only processes (fast_start.py)
+# trl: a GRPO step of ours against TRL's GRPOTrainer (grpo_vs_trl.py); needs MODEL=a causal-LM
+#   folder and the wheels of benchmarks/trl_wheels.sh in .whl-trl/ (or $TRL_WHEELS)
 set -uo pipefail
 what=${1:-gen}; out=${2:-/tmp/bench_out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
@@ -27,6 +30,14 @@ elif [ "$what" = profile7b ]; then
   python3 benchmarks/decode_bench.py --plan bloom-7b1:bf16:16 --numerics fast --profile bloom-7b1 \
     --profile-steps 256 --out "$out" 2>&1 | grep -v -i warn
   python3 benchmarks/attn_bench.py --shapes "bloom-7b1 B16" --pos 384 --out "$out" 2>&1 | grep -v -i warn
+elif [ "$what" = start ]; then
+  python3 benchmarks/fast_start.py --model bloom-560m --batch 16 --out "$out/fast_start.md" 2>&1 | grep -v -i warn
+elif [ "$what" = trl ]; then
+  : "${MODEL:?set MODEL to a causal-LM folder (SmolLM2-135M-Instruct)}"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/trl/site-packages ${TRL_WHEELS:-.whl-trl}/*.whl || exit 1
+  PYTHONPATH=$PYTHONPATH:/tmp/trl/site-packages python3 benchmarks/grpo_vs_trl.py --model "$MODEL" \
+    --out "$out/grpo_vs_trl.md" 2>&1 | grep -v -i warn
 elif [ "$what" = step3fam ]; then
   for preset in pythia-1.4b tinyllama-1.1b gpt2-xl; do
     python3 benchmarks/step3.py --preset $preset --modes "ours fast" --steps 3 --warmup 1 \

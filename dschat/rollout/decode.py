@@ -148,7 +148,9 @@ def _gelu_epilogue_is_tanh(device, dtype) -> bool:
             ref, erf = F.gelu(y, approximate="tanh"), F.gelu(y)
             got = torch._addmm_activation(b, x, w.t(), use_gelu=True)
             _EPILOGUE_OK[key] = bool((got - ref).abs().max() < 0.25 * (erf - ref).abs().max())
-        except Exception:                   # an op this build lacks: use the plain path
+        except (AttributeError, NotImplementedError, RuntimeError) as exc:   # an op this build lacks
+            logger.info("cuBLASLt's bias+GELU epilogue unavailable on %s %s (%s): plain linear + GELU",
+                        device, dtype, exc)
             _EPILOGUE_OK[key] = False
     return _EPILOGUE_OK[key]
 
