@@ -7,7 +7,9 @@ training, for hybrid off (ZeRO-3 hooks), ours generic (replica + HF generate) an
 Builds a random-init actor (the preset's shape) and a random reward model on its backbone,
 writes prompts of exactly --prompt_len tokens, then runs training/step3_rlhf_finetuning/main.py
 once per mode through the deepspeed launcher with actor and critic both at ZeRO-3 (reference
-and reward too, except in the "frozen unsharded" mode), answers forced to --answer_len tokens.
+and reward too, except in the "frozen unsharded" mode; the "ZeRO-2" / "ZeRO-0" modes put all
+four at that stage, to show what ZeRO-3 costs where it partitions nothing), answers forced to
+--answer_len tokens; "checkpointed" recomputes both trained models' activations.
 Steady-state numbers skip the first --warmup steps. A second table splits the step into
 its phases (generation, scoring by each model, each engine's forward / backward / optimizer
 step: the trainer's time/<phase>_s, synchronized on CUDA), and on CUDA a third gives each
@@ -35,6 +37,13 @@ MODES = {
                                     "--reward_zero_stage", "0"],
     # the LM head over every column in scoring and training (before: the answer's only)
     "ours fast, full-width LM head": ["--enable_hybrid_engine"],
+    # activation checkpointing of both trained models: peak memory against recomputation
+    "ours fast, checkpointed": ["--enable_hybrid_engine", "--actor_gradient_checkpointing",
+                                "--critic_gradient_checkpointing"],
+    # ZeRO-2 (and ZeRO-0) at world size 1: what ZeRO-3's hooks, fetches and partitioned
+    # optimizer step cost where there is nothing to partition (generation on the live weights)
+    "ours fast, ZeRO-2": ["--enable_hybrid_engine", "--actor_zero_stage", "2", "--critic_zero_stage", "2"],
+    "ours fast, ZeRO-0": ["--enable_hybrid_engine", "--actor_zero_stage", "0", "--critic_zero_stage", "0"],
 }
 MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"}}
 
