@@ -7,19 +7,27 @@ interrupted run stood), the progress bar and per-step record, evaluation every
 `eval_interval` steps and at the end of each epoch, checkpoints every `--save_interval`, the
 non-finite guard's halt, and at the end the final save (`Checkpointer.save_final`) and
 training_config.json with the last evaluation.
+
+`load_step_data` and `start_run` are the set-up the three entry points share: the step's
+rows and rank-sharded loaders with the number of optimizer steps the run takes, then the
+resolved configuration, checkpointer, non-finite guard, resume point and metrics.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from tqdm import tqdm
 
-from dschat.engine.train_utils import log_train_step, micro_batch_groups
+from dschat.data import create_prompt_dataset
+from dschat.engine.train_utils import log_train_step, make_loader, micro_batch_groups
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, Resumed, fault_point, skip_batches
-from dschat.utils.dist import get_rank
-from dschat.utils.run import save_json
+from dschat.utils.dist import get_rank, get_world_size
+from dschat.utils.logging import print_rank_0
+from dschat.utils.metrics import metrics_logger_for
+from dschat.utils.run import resolved_config, save_json
 
 # (micro-batches of one optimizer step, its 1-based step number) -> (loss or None when the
 # update was skipped, extra metrics of the step to log or None)
@@ -95,3 +103,62 @@ def finish(ckpt: Checkpointer, write_model: Callable[[], None], save: Callable[[
         run_config["final_eval"] = result
         save_json(run_config, f"{output_dir}/training_config.json")
     metrics.close()
+
+
+@dataclass
+class StepData:
+    """A step's rows, their rank-sharded loaders and the optimizer steps the run takes."""
+    train: object
+    eval: object
+    train_loader: object
+    eval_loader: object
+    total_steps: int
+
+
+def load_step_data(args, tokenizer, phase: int, collator=None, **dataset_kw) -> StepData:
+    """Rows of DS-Chat data phase `phase` (1: prompt + chosen answer, 2: chosen/rejected pairs)
+    from the data flags; total_steps = epochs x optimizer steps per epoch, capped by --max_steps."""
+    train, evaluation = create_prompt_dataset(
+        args.local_rank, args.data_path, args.data_split, args.data_output_path, phase, args.seed,
+        tokenizer, args.max_seq_len, end_of_conversation_token=args.eot_token if args.add_eot_token else None,
+        chat_template=args.chat_template, **dataset_kw)
+    train_loader = make_loader(train, args.per_device_train_batch_size, collator, shuffle=True, seed=args.seed)
+    eval_loader = make_loader(evaluation, args.per_device_eval_batch_size, collator, shuffle=False, seed=args.seed)
+    total_steps = -(-len(train_loader) // args.gradient_accumulation_steps) * args.num_train_epochs
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    return StepData(train, evaluation, train_loader, eval_loader, total_steps)
+
+
+@dataclass
+class Run:
+    """One entry point's run: its resolved configuration, checkpointer, non-finite guard,
+    resume point and metrics; `train` runs `train_epochs` on them, `finish` ends the run."""
+    config: dict
+    ckpt: Checkpointer
+    guard: NonFiniteGuard
+    resumed: Optional[Resumed]
+    metrics: object
+
+    def train(self, *, desc: str, engine, data: StepData, args, device, train_step: TrainStep,
+              run_eval: RunEval) -> tuple[dict, Callable[[], object]]:
+        return train_epochs(desc=desc, engine=engine, loader=data.train_loader, ckpt=self.ckpt, resumed=self.resumed,
+                            guard=self.guard, metrics=self.metrics, device=device, run_config=self.config,
+                            total_steps=data.total_steps, num_epochs=args.num_train_epochs,
+                            accumulation=args.gradient_accumulation_steps, eval_interval=args.eval_interval,
+                            print_loss=args.print_loss, train_step=train_step, run_eval=run_eval)
+
+    def finish(self, write_model: Callable[[], None], save: Callable[[], object], output_dir: str,
+               result: dict) -> None:
+        finish(self.ckpt, write_model, save, output_dir, self.config, result, self.metrics)
+
+
+def start_run(args, engine, device, **config_extra) -> Run:
+    """The resolved configuration (printed on rank 0; `config_extra`: the DeepSpeed config and
+    row counts), the checkpointer of `engine`, the guard, the resume point and the metrics."""
+    config = resolved_config(args, world_size=get_world_size(), **config_extra)
+    print_rank_0("resolved configuration:\n" + json.dumps(config, indent=1, sort_keys=True, default=str))
+    ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last, engines={"model": engine})
+    guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
+    resumed = ckpt.resume_or_start(args.resume, config, guard)
+    return Run(config, ckpt, guard, resumed, metrics_logger_for(args, config))

@@ -11,30 +11,19 @@ beside it. `--save_interval N` writes resumable checkpoints under --output_dir/c
 `--resume` continues from the newest complete one.
 """
 import argparse
-import json
-import math
 
 import torch
 
 from dschat.cli import flags
 from dschat.cli.validate import validate_step1
-from dschat.data import create_prompt_dataset
 from dschat.engine.config import train_ds_config
-from dschat.engine.train_loop import finish, train_epochs
-from dschat.engine.train_utils import (
-    abandon_accumulation,
-    evaluate_lm,
-    lm_loss_sum,
-    make_loader,
-    to_device,
-    token_count,
-)
+from dschat.engine.train_loop import load_step_data, start_run
+from dschat.engine.train_utils import abandon_accumulation, evaluate_lm, lm_loss_sum, to_device, token_count
 from dschat.models.model_utils import build_lm_engine, load_tokenizer, save_hf_format
-from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard
+from dschat.utils.checkpoint import NonFiniteGuard
 from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, init_distributed
 from dschat.utils.logging import print_rank_0
-from dschat.utils.metrics import metrics_logger_for
-from dschat.utils.run import main_guard, resolved_config, set_seed
+from dschat.utils.run import main_guard, set_seed
 
 
 def parse_args(argv=None):
@@ -84,50 +73,29 @@ def main(argv=None):
 
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
-    train_data, eval_data = create_prompt_dataset(
-        args.local_rank, args.data_path, args.data_split, args.data_output_path, 1, args.seed,
-        tokenizer, args.max_seq_len, end_of_conversation_token=args.eot_token if args.add_eot_token else None,
-        chat_template=args.chat_template,
-        sft_only_data_path=args.sft_only_data_path)
-    train_loader = make_loader(train_data, args.per_device_train_batch_size, shuffle=True, seed=args.seed)
-    eval_loader = make_loader(eval_data, args.per_device_eval_batch_size, shuffle=False, seed=args.seed)
-    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-    total_steps = steps_per_epoch * args.num_train_epochs
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-
+    data = load_step_data(args, tokenizer, 1, sft_only_data_path=args.sft_only_data_path)
     ds_config = train_ds_config(
         zero_stage=args.zero_stage, dtype=args.dtype, micro_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, offload=args.offload,
         enable_tensorboard=False)
-    engine = build_lm_engine(args, tokenizer, ds_config, total_steps)
-    run_config = resolved_config(args, ds_config=ds_config, world_size=world,
-                                 train_rows=len(train_data), eval_rows=len(eval_data))
-    print_rank_0("resolved configuration:\n" + json.dumps(run_config, indent=1, sort_keys=True, default=str))
-
-    ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last, engines={"model": engine})
-    guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
-    resumed = ckpt.resume_or_start(args.resume, run_config, guard)
-    metrics = metrics_logger_for(args, run_config)
+    engine = build_lm_engine(args, tokenizer, ds_config, data.total_steps)
+    run = start_run(args, engine, device, ds_config=ds_config, train_rows=len(data.train), eval_rows=len(data.eval))
 
     def run_eval(step: int, epoch: int | None) -> dict:
-        result = evaluate_lm(engine, eval_loader, device, args.eval_iters)
+        result = evaluate_lm(engine, data.eval_loader, device, args.eval_iters)
         when = "before training" if step == 0 else f"epoch {epoch}" if epoch is not None else f"step {step}"
         print_rank_0(f"{when}: eval loss {result['loss']:.4f}, perplexity {result['ppl']:.3f}")
-        metrics.log(step, {"eval/loss": result["loss"], "eval/ppl": result["ppl"],
-                           **({"train/epoch": epoch} if epoch is not None else {})})
+        run.metrics.log(step, {"eval/loss": result["loss"], "eval/ppl": result["ppl"],
+                               **({"train/epoch": epoch} if epoch is not None else {})})
         return result
 
     def one_step(group, step):
-        return train_step(engine, group, device, args.gradient_accumulation_steps, world, guard, step), None
+        return train_step(engine, group, device, args.gradient_accumulation_steps, world, run.guard, step), None
 
-    result, save = train_epochs(
-        desc="step 1 (SFT)", engine=engine, loader=train_loader, ckpt=ckpt, resumed=resumed, guard=guard,
-        metrics=metrics, device=device, run_config=run_config, total_steps=total_steps,
-        num_epochs=args.num_train_epochs, accumulation=args.gradient_accumulation_steps,
-        eval_interval=args.eval_interval, print_loss=args.print_loss, train_step=one_step, run_eval=run_eval)
-    finish(ckpt, lambda: save_hf_format(engine, tokenizer, args.output_dir, rank=get_rank()), save,
-           args.output_dir, run_config, result, metrics)
+    result, save = run.train(desc="step 1 (SFT)", engine=engine, data=data, args=args, device=device,
+                             train_step=one_step, run_eval=run_eval)
+    run.finish(lambda: save_hf_format(engine, tokenizer, args.output_dir, rank=get_rank()), save,
+               args.output_dir, result)
     print_rank_0(f"saved the model to {args.output_dir}")
 
 

@@ -17,22 +17,18 @@ and rewards, and the per-token KL to the reference. `--save_interval N` writes r
 checkpoints under --output_dir/checkpoints/; `--resume` continues from the newest complete one.
 """
 import argparse
-import json
 
 from dschat.cli import flags
 from dschat.cli.validate import validate_step2_dpo
-from dschat.data import DataCollatorReward, create_prompt_dataset
+from dschat.data import DataCollatorReward
 from dschat.engine.config import train_ds_config
-from dschat.engine.train_loop import finish, train_epochs
-from dschat.engine.train_utils import make_loader
+from dschat.engine.train_loop import load_step_data, start_run
 from dschat.models.model_utils import load_tokenizer, save_hf_format
 from dschat.rlhf.dpo import LOSS_TYPES, summarize
 from dschat.rlhf.dpo_trainer import DPOConfig, build_dpo_engines, evaluate, train_step
-from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard
 from dschat.utils.dist import get_rank, get_world_size, init_distributed
 from dschat.utils.logging import print_rank_0
-from dschat.utils.metrics import metrics_logger_for
-from dschat.utils.run import main_guard, resolved_config, set_seed
+from dschat.utils.run import main_guard, set_seed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,52 +75,32 @@ def main(argv=None):
 
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
-    train_data, eval_data = create_prompt_dataset(
-        args.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed,
-        tokenizer, args.max_seq_len, end_of_conversation_token=args.eot_token if args.add_eot_token else None,
-        chat_template=args.chat_template)
-    collator = DataCollatorReward()
-    train_loader = make_loader(train_data, args.per_device_train_batch_size, collator, shuffle=True, seed=args.seed)
-    eval_loader = make_loader(eval_data, args.per_device_eval_batch_size, collator, shuffle=False, seed=args.seed)
-    steps_per_epoch = -(-len(train_loader) // args.gradient_accumulation_steps)
-    total_steps = steps_per_epoch * args.num_train_epochs
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-
+    data = load_step_data(args, tokenizer, 2, DataCollatorReward())
     ds_config = train_ds_config(
         zero_stage=args.zero_stage, dtype=args.dtype, micro_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, offload=args.offload)
-    policy, ref = build_dpo_engines(args, tokenizer, ds_config, total_steps)
-    run_config = resolved_config(args, ds_config=ds_config, world_size=world,
-                                 train_pairs=len(train_data), eval_pairs=len(eval_data))
-    print_rank_0("resolved configuration:\n" + json.dumps(run_config, indent=1, sort_keys=True, default=str))
-
-    ckpt = Checkpointer(args.output_dir, args.save_interval, args.keep_last, engines={"model": policy})
-    guard = NonFiniteGuard(args.max_nonfinite_in_a_row, device)
-    resumed = ckpt.resume_or_start(args.resume, run_config, guard)
-    metrics = metrics_logger_for(args, run_config)
+    policy, ref = build_dpo_engines(args, tokenizer, ds_config, data.total_steps)
+    run = start_run(args, policy, device, ds_config=ds_config, train_pairs=len(data.train),
+                    eval_pairs=len(data.eval))
 
     def run_eval(step: int, epoch: int | None) -> dict:
-        result = evaluate(policy, ref, eval_loader, cfg, device, args.eval_iters)
+        result = evaluate(policy, ref, data.eval_loader, cfg, device, args.eval_iters)
         print_rank_0(f"step {step}: eval loss {result['loss']:.4f}, reward accuracy {result['acc']:.4f}, "
                      f"margin {result['margin']:.4f}, KL to reference {result.get('kl_ref', 0.0):.5f}")
-        metrics.log(step, {f"eval/{k}": v for k, v in result.items()})
+        run.metrics.log(step, {f"eval/{k}": v for k, v in result.items()})
         return result
 
     def one_step(group, step):
-        loss, stats = train_step(policy, ref, group, cfg, device, world, guard, step)
+        loss, stats = train_step(policy, ref, group, cfg, device, world, run.guard, step)
         if stats is None:
             return loss, None
         train = summarize(stats, cfg.rpo_alpha)
         return loss, {f"train/{k}": train[k] for k in ("acc", "margin", "chosen_logps", "rejected_logps")}
 
-    result, save = train_epochs(
-        desc="step 2 (DPO)", engine=policy, loader=train_loader, ckpt=ckpt, resumed=resumed, guard=guard,
-        metrics=metrics, device=device, run_config=run_config, total_steps=total_steps,
-        num_epochs=args.num_train_epochs, accumulation=args.gradient_accumulation_steps,
-        eval_interval=args.eval_interval, print_loss=args.print_loss, train_step=one_step, run_eval=run_eval)
-    finish(ckpt, lambda: save_hf_format(policy, tokenizer, args.output_dir, rank=get_rank()), save,
-           args.output_dir, run_config, result, metrics)
+    result, save = run.train(desc="step 2 (DPO)", engine=policy, data=data, args=args, device=device,
+                             train_step=one_step, run_eval=run_eval)
+    run.finish(lambda: save_hf_format(policy, tokenizer, args.output_dir, rank=get_rank()), save,
+               args.output_dir, result)
     print_rank_0(f"saved the DPO model to {args.output_dir}")
 
 
