@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,6 +38,7 @@ def any_training(engine) -> bool:
 def run_one(run: dict, rank: int, out_prefix: str) -> None:
     import torch
 
+    from dschat.rlhf import loop as L
     from dschat.rlhf import ppo_math as pm
     from dschat.rlhf import trainer as T
 
@@ -48,7 +48,7 @@ def run_one(run: dict, rank: int, out_prefix: str) -> None:
     state = {"first": False}
     box = {}
 
-    real_build = main_mod.build_rlhf_engines
+    real_build = L.build_rlhf_engines
 
     def build(args, tokenizer, num_total_iters, scheduler=None):
         engines = real_build(args, tokenizer, num_total_iters, scheduler)
@@ -98,7 +98,7 @@ def run_one(run: dict, rank: int, out_prefix: str) -> None:
             state["first"] = False
         return loss, clip
 
-    real_round = main_mod.ppo_round
+    real_round = L.ppo_round
 
     def ppo_round(trainer, buffer, unsup_buffer, args):
         e = box["engines"]
@@ -127,13 +127,14 @@ def run_one(run: dict, rank: int, out_prefix: str) -> None:
         box["P"] = prompts.shape[1]
         return real_gen(self, prompts, prompt_mask)
 
-    main_mod.build_rlhf_engines = build
-    main_mod.ppo_round = ppo_round
+    # step 3's loop (dschat/rlhf/loop.py) builds the engines and runs each PPO round
+    L.build_rlhf_engines, L.ppo_round = build, ppo_round
     pm.compute_kl_rewards, pm.actor_loss = compute_kl_rewards, actor_loss
     T.PPOTrainer.generate_experience = generate_experience
     try:
         main_mod.main(run["argv"])
     finally:
+        L.build_rlhf_engines, L.ppo_round = real_build, real_round
         pm.compute_kl_rewards, pm.actor_loss = real_kl, real_actor_loss
         T.PPOTrainer.generate_experience = real_gen
     e = box["engines"]
