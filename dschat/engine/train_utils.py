@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from dschat.engine.zero import release_prefetched
 from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, peak_memory_gib
 from dschat.utils.logging import print_rank_0
+
+if TYPE_CHECKING:
+    from dschat.utils.checkpoint import NonFiniteGuard
 
 
 def make_loader(dataset: Dataset, batch_size: int, collate_fn=None, *, shuffle: bool,
@@ -90,6 +93,35 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, fp32: bool = True) -
         logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
                            ignore_index=-100, reduction="sum")
+
+
+def sft_train_step(engine, group, device, accumulation: int, world: int, guard: "NonFiniteGuard",
+                   step: int) -> float | None:
+    """Step 1 (SFT): one optimizer step over `group` micro-batches, loss weighted by global
+    token count.
+
+    Each micro-batch's summed loss is scaled so that, after DeepSpeed averages gradients
+    over ranks and accumulation steps, the update is the mean over every loss token of
+    the global batch; a step's loss then does not depend on how it was split into
+    micro-batches and ranks. A non-finite loss on any rank skips the whole update on
+    every rank (None is returned).
+    """
+    engine.train()  # every step: a resumed run skips the first eval, and from_pretrained models start in eval
+    tokens = all_reduce_sum(token_count(group)).item()
+    scale = world * accumulation / max(tokens, 1.0)  # DeepSpeed divides by both
+    total = torch.zeros((), device=device)
+    for i, batch in enumerate(group):
+        batch = to_device(batch, device)
+        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        use_cache=False).logits
+        loss_sum = lm_loss_sum(logits, batch["labels"])
+        if not guard.ok("loss", step, loss_sum, micro=i):
+            abandon_accumulation(engine)
+            return None
+        engine.backward(loss_sum * scale)
+        engine.step()
+        total += loss_sum.detach()
+    return all_reduce_sum(total).item() / max(tokens, 1.0)
 
 
 @torch.no_grad()

@@ -12,16 +12,13 @@ beside it. `--save_interval N` writes resumable checkpoints under --output_dir/c
 """
 import argparse
 
-import torch
-
 from dschat.cli import flags
 from dschat.cli.validate import validate_step1
 from dschat.engine.config import train_ds_config
 from dschat.engine.train_loop import load_step_data, start_run
-from dschat.engine.train_utils import abandon_accumulation, evaluate_lm, lm_loss_sum, to_device, token_count
+from dschat.engine.train_utils import evaluate_lm, sft_train_step
 from dschat.models.model_utils import build_lm_engine, load_tokenizer, save_hf_format
-from dschat.utils.checkpoint import NonFiniteGuard
-from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, init_distributed
+from dschat.utils.dist import get_rank, get_world_size, init_distributed
 from dschat.utils.logging import print_rank_0
 from dschat.utils.run import main_guard, set_seed
 
@@ -34,34 +31,6 @@ def parse_args(argv=None):
     flags.add_logging_args(parser)
     flags.add_checkpoint_args(parser)
     return parser.parse_args(argv)
-
-
-def train_step(engine, group, device, accumulation: int, world: int, guard: NonFiniteGuard,
-               step: int) -> float | None:
-    """One optimizer step over `group` micro-batches, loss weighted by global token count.
-
-    Each micro-batch's summed loss is scaled so that, after DeepSpeed averages gradients
-    over ranks and accumulation steps, the update is the mean over every loss token of
-    the global batch; a step's loss then does not depend on how it was split into
-    micro-batches and ranks. A non-finite loss on any rank skips the whole update on
-    every rank (None is returned).
-    """
-    engine.train()  # every step: a resumed run skips the first eval, and from_pretrained models start in eval
-    tokens = all_reduce_sum(token_count(group)).item()
-    scale = world * accumulation / max(tokens, 1.0)  # DeepSpeed divides by both
-    total = torch.zeros((), device=device)
-    for i, batch in enumerate(group):
-        batch = to_device(batch, device)
-        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        use_cache=False).logits
-        loss_sum = lm_loss_sum(logits, batch["labels"])
-        if not guard.ok("loss", step, loss_sum, micro=i):
-            abandon_accumulation(engine)
-            return None
-        engine.backward(loss_sum * scale)
-        engine.step()
-        total += loss_sum.detach()
-    return all_reduce_sum(total).item() / max(tokens, 1.0)
 
 
 def main(argv=None):
@@ -90,7 +59,7 @@ def main(argv=None):
         return result
 
     def one_step(group, step):
-        return train_step(engine, group, device, args.gradient_accumulation_steps, world, run.guard, step), None
+        return sft_train_step(engine, group, device, args.gradient_accumulation_steps, world, run.guard, step), None
 
     result, save = run.train(desc="step 1 (SFT)", engine=engine, data=data, args=args, device=device,
                              train_step=one_step, run_eval=run_eval)
