@@ -286,8 +286,10 @@ def memory_report(steps, actor: ModelChoice, reward: ModelChoice | None, gpus: i
         if step.flags.get("only_optimize_lora"):
             continue                       # DeepSpeed's estimators know no frozen base weights
         offload = bool(step.flags.get("offload"))
-        if step.title == "DPO" or step.number in (1, 2):
-            trained = [(a if step.title == "DPO" or step.number == 1 else c, step.flags["zero_stage"])]
+        if step.title == "DPO" or step.number == 1:      # the policy / the SFT model
+            trained = [(a, step.flags["zero_stage"])]
+        elif step.number == 2:                              # the reward model
+            trained = [(c, step.flags["zero_stage"])]
         else:
             trained = [(a, step.flags["actor_zero_stage"])]
             if step.flags.get("algorithm", "ppo") == "ppo":

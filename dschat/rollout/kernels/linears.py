@@ -587,7 +587,7 @@ def _choose(key: tuple, run, w, tma: bool = False):
     # first round (a refined TMA config can beat it there; docs/DECODE.md, section 5)
     triton_best = min((n for n in times if n != "cublas"), key=times.get, default=None)
     if triton_best is not None and times[triton_best] < float("inf"):
-        cands = dict(cands, **_refined(triton_best, cands[triton_best], key[1] == "linear+norm"))
+        cands = dict(cands, **_refined(triton_best, cands[triton_best], parts))
         race({n: c for n, c in cands.items() if n not in times})
     best = min(times, key=times.get)
     if times[best] >= options().linear_tune_margin * times["cublas"]:
