@@ -44,16 +44,33 @@ MODES = {
     # optimizer step cost where there is nothing to partition (generation on the live weights)
     "ours fast, ZeRO-2": ["--enable_hybrid_engine", "--actor_zero_stage", "2", "--critic_zero_stage", "2"],
     "ours fast, ZeRO-0": ["--enable_hybrid_engine", "--actor_zero_stage", "0", "--critic_zero_stage", "0"],
+    # full fine-tuning of an actor whose training state outgrows one GPU: the parameters stay
+    # on the GPU, --offload_ratio of the optimizer states go to host memory (DeepSpeedCPUAdam)
+    "ours fast, optimizer offloaded": ["--enable_hybrid_engine", "--offload", "--offload_optimizer_only"],
+    # LoRA (rank 128) on the actor's linears, base weights frozen; the critic trains in full
+    # the same without the hybrid engine (generation through DeepSpeed's ZeRO-3 hooks)
+    "hybrid off, optimizer offloaded": ["--offload", "--offload_optimizer_only"],
+    "ours fast, LoRA": ["--enable_hybrid_engine", "--actor_lora_dim", "128", "--only_optimize_lora"],
 }
+OFFLOADED = ("ours fast, optimizer offloaded", "hybrid off, optimizer offloaded")
 MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"}}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="bloom-560m", help="A model shape of benchmarks/generation.py.")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="Modes to run.")
+    p.add_argument("--critic_preset", default=None,
+                   help="The critic's (and reward model's) shape, a model shape of benchmarks/generation.py "
+                        "(default: --preset's).")
+    p.add_argument("--modes", nargs="+", default=[m for m in MODES if m not in OFFLOADED and "LoRA" not in m],
+                   choices=list(MODES), help="Modes to run (default: all but the offloaded and LoRA ones).")
+    p.add_argument("--offload_ratio", type=float, default=1.0,
+                   help="Step 3's --offload_ratio in the offloaded mode: the share of the optimizer states "
+                        "on the CPU (the rest stays on the GPU).")
     p.add_argument("--steps", type=int, default=6, help="PPO steps per mode.")
     p.add_argument("--warmup", type=int, default=2, help="Steps left out of the steady-state mean.")
+    p.add_argument("--hybrid_off_steps", type=int, default=None,
+                   help="PPO steps of the hybrid-off modes (default: --steps; they run 10-20x slower).")
     p.add_argument("--batch", type=int, default=16, help="Prompts per GPU per step.")
     p.add_argument("--prompt_len", type=int, default=256, help="Prompt tokens (every prompt exactly this long).")
     p.add_argument("--answer_len", type=int, default=256, help="Answer tokens, forced (min = max answer length).")
@@ -70,7 +87,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def build_models(preset: str, workdir: Path) -> tuple[Path, Path]:
+def build_models(preset: str, critic_preset: str, root: Path) -> tuple[Path, Path]:
+    """A random actor at `preset`'s shape and a random reward model at `critic_preset`'s,
+    each built once under `root` and reused; in bf16 on the GPU where there is one (a 7B
+    model initialises in seconds there, minutes on the host)."""
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -78,19 +98,29 @@ def build_models(preset: str, workdir: Path) -> tuple[Path, Path]:
     from dschat.models.model_utils import load_tokenizer, save_hf_format
     from dschat.models.reward_model import RewardModel, save_reward_model
 
-    actor_dir, critic_dir = workdir / "actor", workdir / "critic"
-    if (actor_dir / "model.safetensors").exists() and (critic_dir / "reward_model.json").exists():
-        return actor_dir, critic_dir
+    actor_dir, critic_dir = root / preset / "actor", root / critic_preset / "critic"
     tokenizer = load_tokenizer(None)
-    cfg = dict(PRESETS[preset])
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, 1, 2
+    on_gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+
+    def config_of(name):
+        cfg = dict(PRESETS[name])
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, 1, 2
+        return config
+
     torch.manual_seed(0)
-    actor = AutoModelForCausalLM.from_config(config)
-    save_hf_format(actor, tokenizer, actor_dir)
-    del actor
-    critic = RewardModel(AutoModel.from_config(config), pad_token_id=tokenizer.pad_token_id)
-    save_reward_model(critic, tokenizer, critic_dir)
+    if not (actor_dir / "model.safetensors").exists() and not (actor_dir / "model.safetensors.index.json").exists():
+        with torch.device(device):
+            actor = AutoModelForCausalLM.from_config(config_of(preset), dtype=dtype)
+        save_hf_format(actor, tokenizer, actor_dir)
+        del actor
+    if not (critic_dir / "reward_model.json").exists():
+        with torch.device(device):
+            backbone = AutoModel.from_config(config_of(critic_preset), dtype=dtype)
+        save_reward_model(RewardModel(backbone, pad_token_id=tokenizer.pad_token_id), tokenizer, critic_dir)
+    if on_gpu:
+        torch.cuda.empty_cache()
     return actor_dir, critic_dir
 
 
@@ -113,6 +143,10 @@ def write_prompts(path: Path, prompt_len: int, n: int) -> None:
             f.write(json.dumps({"prompt": prompt, "response": " ok"}) + "\n")
 
 
+def steps_of(mode: str, args) -> int:
+    return args.hybrid_off_steps if mode.startswith("hybrid off") and args.hybrid_off_steps else args.steps
+
+
 def run_mode(mode, args, actor, critic, prompts, workdir) -> list[dict]:
     out = workdir / mode.replace(" ", "_")
     shutil.rmtree(out, ignore_errors=True)          # metrics.jsonl appends: no rows of an earlier run
@@ -123,10 +157,12 @@ def run_mode(mode, args, actor, critic, prompts, workdir) -> list[dict]:
            "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--dtype", args.dtype,
            "--per_device_generation_batch_size", str(args.batch), "--per_device_training_batch_size", str(args.batch),
            "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
-           "--min_answer_seq_len", str(args.answer_len), "--max_steps", str(args.steps),
-           "--num_warmup_steps", "0", "--output_dir", str(out), *MODES[mode]]
+           "--min_answer_seq_len", str(args.answer_len), "--max_steps", str(steps_of(mode, args)),
+           "--num_warmup_steps", "0", "--output_dir", str(out), "--skip_final_save", *MODES[mode]]
     if args.profile_step:
         cmd += ["--profile_step", str(args.profile_step)]
+    if mode in OFFLOADED:
+        cmd += ["--offload_ratio", str(args.offload_ratio)]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                **MODE_ENV.get(mode, {}))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -181,44 +217,49 @@ def phase_tables(results: dict) -> list[str]:
 
 def main(argv=None):
     args = parse_args(argv)
-    workdir = Path(args.workdir) / args.preset      # the models are built once per preset and kept
+    critic_preset = args.critic_preset or args.preset
+    # the models are built once per preset and kept; the runs' folders are per actor + critic pair
+    workdir = Path(args.workdir) / (args.preset if critic_preset == args.preset else f"{args.preset}+{critic_preset}")
     workdir.mkdir(parents=True, exist_ok=True)
-    actor, critic = build_models(args.preset, workdir)
+    actor, critic = build_models(args.preset, critic_preset, Path(args.workdir))
     prompts = workdir / "prompts.jsonl"
     write_prompts(prompts, args.prompt_len, args.batch * args.num_gpus * (args.steps + 1) * 2)
     results = {}
     for mode in args.modes:
         rows = run_mode(mode, args, actor, critic, prompts, workdir)
         # the profiled step runs slower under torch.profiler: left out of the mean
-        steady = [r for i, r in enumerate(rows) if i >= args.warmup and i + 1 != args.profile_step] or rows
+        warmup = min(args.warmup, steps_of(mode, args) - 1)
+        steady = [r for i, r in enumerate(rows) if i >= warmup and i + 1 != args.profile_step] or rows
         if not steady:
             results[mode] = None
             continue
         mean = lambda k: sum(r.get(k, 0.0) for r in steady) / len(steady)  # noqa: E731
         results[mode] = {k: mean(k) for k in ("time/step_s", "time/generate_s", "time/score_s", "time/train_s",
-                                              "gen/fill_seconds", "memory/peak_gib")}
+                                              "gen/fill_seconds", "memory/peak_gib",
+                                              "memory/host_peak_gib")}
         results[mode]["samples_per_s"] = args.batch * args.num_gpus / results[mode]["time/step_s"]
         results[mode]["phases"] = phase_means(steady)
         results[mode]["steps"] = len(rows)
         results[mode]["left_gathered_max"] = max(r.get("zero/params_left_gathered", 0) for r in rows)
         results[mode]["reward_first_last"] = (rows[0].get("ppo/reward_mean"), rows[-1].get("ppo/reward_mean"))
         print(mode, json.dumps(results[mode]), flush=True)
-    lines = [f"step 3, {args.preset} actor + critic at ZeRO-3, {args.dtype}, {args.num_gpus} GPU(s), "
+    lines = [f"step 3, {args.preset} actor + {critic_preset} critic at ZeRO-3, {args.dtype}, {args.num_gpus} GPU(s), "
              f"{args.batch} x ({args.prompt_len} + {args.answer_len}) per GPU per step; mean of steps "
              f"{args.warmup + 1}..{args.steps}"
              + (f" except the profiled step {args.profile_step}" if args.profile_step else ""), "",
              "| mode | step s | generation s | scoring s | training s | refill s | samples/s | x hybrid off | peak GiB "
-             "| steps done | params left gathered (max) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    base = (results.get("hybrid off") or {}).get("samples_per_s")
+             "| host peak GiB | steps done | params left gathered (max) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = next((r["samples_per_s"] for m, r in results.items() if m.startswith("hybrid off") and r), None)
     for mode, r in results.items():
         if r is None:
-            lines.append(f"| {mode} | failed | | | | | | | | | |")
+            lines.append(f"| {mode} | failed | | | | | | | | | | |")
             continue
         ratio = r["samples_per_s"] / base if base else float("nan")
         lines.append(f"| {mode} | {r['time/step_s']:.2f} | {r['time/generate_s']:.2f} | {r['time/score_s']:.2f} | "
                      f"{r['time/train_s']:.2f} | {r['gen/fill_seconds']:.3f} | {r['samples_per_s']:.2f} | "
-                     f"{ratio:.2f} | {r['memory/peak_gib']:.1f} | {r['steps']} | {int(r['left_gathered_max'])} |")
+                     f"{ratio:.2f} | {r['memory/peak_gib']:.1f} | {r['memory/host_peak_gib']:.1f} | {r['steps']} | "
+                     f"{int(r['left_gathered_max'])} |")
     lines += phase_tables(results)
     table = "\n".join(lines) + "\n"
     print(table)

@@ -67,8 +67,7 @@ def add_model_train_args(parser: argparse.ArgumentParser, *, learning_rate: floa
                    help="Recompute activations in backward to save memory.")
     g.add_argument("--dropout", type=float, default=None,
                    help="Set every dropout of the model to this value (default: keep the model's).")
-    g.add_argument("--offload", action="store_true",
-                   help="ZeRO-Offload: optimizer state (and at stage 3 parameters) in CPU memory.")
+    add_offload_args(g, "ZeRO-Offload: optimizer state (and at stage 3 parameters) in CPU memory.")
     g.add_argument("--dtype", type=str, default="fp16", choices=DTYPE_CHOICES,
                    help="Training precision (fp32 on CPU).")
     g.add_argument("--zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage.")
@@ -89,6 +88,20 @@ def add_zero3_hooks_arg(g) -> None:
                    help="ZeRO-3 parameter gathering unit: 'block' gathers and releases each transformer "
                         "block whole (one hook per block; far less host time per step, same numbers); "
                         "'module' keeps DeepSpeed's hooks on every linear and norm.")
+
+
+def add_offload_args(g, offload_help: str) -> None:
+    """--offload (upstream's) and the two knobs that make a 7B actor fit one GPU's host."""
+    g.add_argument("--offload", action="store_true", help=offload_help)
+    g.add_argument("--offload_optimizer_only", action="store_true",
+                   help="With --offload: keep the parameters on the GPU and offload only the optimizer "
+                        "states (fp32 master weights, Adam moments, fp32 gradients). On one GPU this avoids "
+                        "fetching every parameter from host memory in each forward and backward.")
+    g.add_argument("--offload_ratio", type=float, default=1.0,
+                   help="With --offload at ZeRO-3: the share of the optimizer states kept and updated on "
+                        "the CPU (DeepSpeed's partial offload, in sub-groups of 1e9 parameters); the rest "
+                        "stays on the GPU. Below 1 the parameters stay on the GPU. For a model whose 16 "
+                        "bytes/param of training state fit neither the GPU nor the host alone.")
 
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:
@@ -260,7 +273,8 @@ def add_step3_args(p: argparse.ArgumentParser) -> None:
                    help="Decode with HF generate on the replica even where the fast path (static KV cache "
                         "+ CUDA graphs, on GPU for bloom/opt/llama) is available; for comparisons.")
     g = p.add_argument_group("memory and precision")
-    g.add_argument("--offload", action="store_true", help="ZeRO-Offload for actor and critic.")
+    add_offload_args(g, "ZeRO-Offload for actor and critic: their optimizer states (and at stage 3 "
+                        "their parameters) in CPU memory.")
     g.add_argument("--offload_reference_model", action="store_true", help="Offload the reference model.")
     g.add_argument("--offload_reward_model", action="store_true", help="Offload the reward model.")
     g.add_argument("--actor_zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="Actor ZeRO stage.")
@@ -316,6 +330,9 @@ def add_step3_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable_test_mode", action="store_true", help="Stop after --test_stop_step steps.")
     g.add_argument("--test_stop_step", type=int, default=0, help="Steps to run in test mode.")
     g.add_argument("--max_steps", type=int, default=0, help="Stop after this many PPO steps (0: all).")
+    g.add_argument("--skip_final_save", action="store_true",
+                   help="Do not write the final actor / critic (benchmarks and sweeps that keep only the "
+                        "metrics; a 7B actor takes a minute and 14 GB of disk to write).")
     add_logging_args(p)
     add_checkpoint_args(p, unit="PPO steps")
     add_profile_args(p)

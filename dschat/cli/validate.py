@@ -95,6 +95,19 @@ def _dtype(args) -> list[str]:
     return []
 
 
+def _offload_knobs(args, trained_stages) -> list[str]:
+    out = []
+    ratio = args.offload_ratio
+    if not 0 < ratio <= 1:
+        out.append(f"--offload_ratio must be in (0, 1], got {ratio}")
+    elif ratio < 1 and (not args.offload or any(s != 3 for s in trained_stages if s)):
+        out.append("--offload_ratio below 1 is DeepSpeed's partial offload: it needs --offload and ZeRO stage 3 "
+                   "for every trained model that offloads")
+    if args.offload_optimizer_only and not args.offload:
+        out.append("--offload_optimizer_only needs --offload")
+    return out
+
+
 def _dropout(flag: str, value) -> list[str]:
     if value is not None and not 0 <= value < 1:
         return [f"--{flag} must be in [0, 1), got {value}"]
@@ -123,6 +136,7 @@ def sft_problems(args) -> list[str]:
     out += _dropout("dropout", args.dropout) + _dtype(args)
     if args.offload and args.zero_stage == 0:
         out.append("--offload needs --zero_stage 1, 2 or 3 (ZeRO-Offload offloads ZeRO state)")
+    out += _offload_knobs(args, (args.zero_stage,))
     out += _lora("", args.lora_dim, args.lora_module_name)
     if args.lora_dim == 0 and args.only_optimize_lora:
         out.append("--only_optimize_lora needs --lora_dim > 0")
@@ -224,6 +238,7 @@ def step3_problems(args) -> list[str]:
     # ZeRO stages and offload
     if args.offload and args.actor_zero_stage == 0 and args.critic_zero_stage == 0:
         out.append("--offload needs --actor_zero_stage or --critic_zero_stage >= 1")
+    out += _offload_knobs(args, (args.actor_zero_stage, args.critic_zero_stage))
     if args.offload_reference_model and frozen_stage(args.reference_zero_stage, args.actor_zero_stage) != 3:
         out.append("--offload_reference_model needs the reference model at ZeRO-3: --actor_zero_stage 3 "
                    "(it follows the actor) or --reference_zero_stage 3; at stage 0 there is nothing to offload")

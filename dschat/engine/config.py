@@ -22,12 +22,18 @@ def _precision_section(dtype: str) -> dict:
 
 
 def _zero_section(stage: int, offload: bool, *, persistence_threshold: float,
-                  max_live_parameters: float, prefetch_bucket_size: float) -> dict:
+                  max_live_parameters: float, prefetch_bucket_size: float,
+                  offload_params: bool = True, offload_ratio: float = 1.0) -> dict:
     device = "cpu" if offload else "none"
+    optimizer = {"device": device}
+    if offload and offload_ratio < 1.0:
+        # DeepSpeed's partial offload (ZeRO-3): this share of the optimizer's sub-groups on
+        # the CPU (DeepSpeedCPUAdam), the rest updated on the GPU
+        optimizer["ratio"] = offload_ratio
     zero = {
         "stage": stage,
-        "offload_param": {"device": device},
-        "offload_optimizer": {"device": device},
+        "offload_param": {"device": device if offload_params and offload_ratio == 1.0 else "none"},
+        "offload_optimizer": optimizer,
         "stage3_param_persistence_threshold": persistence_threshold,
         "stage3_max_live_parameters": max_live_parameters,
         "stage3_prefetch_bucket_size": prefetch_bucket_size,
@@ -40,6 +46,7 @@ def _zero_section(stage: int, offload: bool, *, persistence_threshold: float,
 
 def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
                     gradient_accumulation_steps: int = 1, offload: bool = False,
+                    offload_params: bool = True, offload_ratio: float = 1.0,
                     gradient_clipping: float = 1.0, persistence_threshold: float = 1e4,
                     max_live_parameters: float = 3e7, prefetch_bucket_size: float = 3e7,
                     enable_tensorboard: bool = False, tensorboard_path: str = "",
@@ -51,7 +58,8 @@ def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
         "steps_per_print": 10 ** 9,  # we log ourselves
         "zero_optimization": _zero_section(
             zero_stage, offload, persistence_threshold=persistence_threshold,
-            max_live_parameters=max_live_parameters, prefetch_bucket_size=prefetch_bucket_size),
+            max_live_parameters=max_live_parameters, prefetch_bucket_size=prefetch_bucket_size,
+            offload_params=offload_params, offload_ratio=offload_ratio),
         "gradient_clipping": gradient_clipping,
         "prescale_gradients": False,
         "wall_clock_breakdown": False,
@@ -64,6 +72,12 @@ def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
         config["tensorboard"] = {"enabled": True, "output_path": f"{tensorboard_path}/ds_tensorboard_logs/",
                                  "job_name": f"{job_name}_tensorboard"}
     return config
+
+
+def offload_options(args) -> dict:
+    """train_ds_config's offload keywords from the flags of add_offload_args (every step)."""
+    return {"offload": bool(args.offload), "offload_params": not getattr(args, "offload_optimizer_only", False),
+            "offload_ratio": float(getattr(args, "offload_ratio", 1.0))}
 
 
 def eval_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int = 1,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dschat.engine.config import eval_ds_config, frozen_stage, train_ds_config
+from dschat.engine.config import eval_ds_config, frozen_stage, offload_options, train_ds_config
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
 from dschat.engine.zero import gathered, initialize_engine
 from dschat.models.lora import apply_lora
@@ -66,11 +66,11 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     from dschat.rollout.hybrid import HybridActor
 
     actor_cfg = train_ds_config(
-        zero_stage=args.actor_zero_stage, dtype=args.dtype, offload=args.offload,
+        zero_stage=args.actor_zero_stage, dtype=args.dtype, **offload_options(args),
         micro_batch_size=args.per_device_training_batch_size,
         gradient_accumulation_steps=actor_accumulation_steps(args))
     critic_cfg = train_ds_config(
-        zero_stage=args.critic_zero_stage, dtype=args.dtype, offload=args.offload,
+        zero_stage=args.critic_zero_stage, dtype=args.dtype, **offload_options(args),
         micro_batch_size=args.per_device_training_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps)
 

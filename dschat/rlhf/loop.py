@@ -27,6 +27,7 @@ from dschat.utils.dist import (
     all_reduce_sum,
     get_rank,
     get_world_size,
+    host_peak_gib,
     init_distributed,
     peak_memory_gib,
 )
@@ -296,6 +297,7 @@ def train_step3(args) -> None:
                     record.update(get_scheduler().pop_stats())
                     record["time/step_s"] = time.time() - step_start
                     record["memory/peak_gib"] = peak_memory_gib(device)
+                    record["memory/host_peak_gib"] = host_peak_gib()
                     record["zero/params_left_gathered"] = trainer.params_left_gathered()
                     record["ppo/samples_per_s"] = exp.batch_size * world / record["time/step_s"]
                     trainer.update_kl(record["ppo/kl_per_answer"], exp.batch_size * world)
@@ -322,8 +324,10 @@ def train_step3(args) -> None:
         if engines.ema is not None:
             save_hf_format(engines.ema, tokenizer, os.path.join(args.output_dir, "actor_ema"), rank=get_rank())
 
-    ckpt.save_final(write_models, save, args.output_dir)
+    if not args.skip_final_save:
+        ckpt.save_final(write_models, save, args.output_dir)
     if get_rank() == 0:
         save_json(run_config, os.path.join(args.output_dir, "training_config.json"))
     metrics.close()
-    print_rank_0(f"saved actor/{' and critic/' if engines.critic is not None else ''} to {args.output_dir}")
+    if not args.skip_final_save:
+        print_rank_0(f"saved actor/{' and critic/' if engines.critic is not None else ''} to {args.output_dir}")

@@ -192,6 +192,11 @@ def peak_memory_gib(device: torch.device) -> float:
     `reset_peak_memory` calls), the process's peak resident set on CPU."""
     if device.type == "cuda":
         return max(_PEAK_BEFORE_RESET.get(_cuda_index(device), 0), torch.cuda.max_memory_allocated(device)) / 2 ** 30
+    return host_peak_gib()
+
+
+def host_peak_gib() -> float:
+    """This process's peak resident set in host memory (what offloaded optimizer states cost)."""
     try:
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB

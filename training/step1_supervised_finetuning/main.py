@@ -14,7 +14,7 @@ import argparse
 
 from dschat.cli import flags
 from dschat.cli.validate import validate_step1
-from dschat.engine.config import train_ds_config
+from dschat.engine.config import offload_options, train_ds_config
 from dschat.engine.train_loop import load_step_data, start_run
 from dschat.engine.train_utils import evaluate_lm, sft_train_step
 from dschat.models.model_utils import build_lm_engine, load_tokenizer, save_hf_format
@@ -45,7 +45,7 @@ def main(argv=None):
     data = load_step_data(args, tokenizer, 1, sft_only_data_path=args.sft_only_data_path)
     ds_config = train_ds_config(
         zero_stage=args.zero_stage, dtype=args.dtype, micro_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, offload=args.offload,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, **offload_options(args),
         enable_tensorboard=False)
     engine = build_lm_engine(args, tokenizer, ds_config, data.total_steps)
     run = start_run(args, engine, device, ds_config=ds_config, train_rows=len(data.train), eval_rows=len(data.eval))

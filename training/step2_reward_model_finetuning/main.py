@@ -15,7 +15,7 @@ import argparse
 from dschat.cli import flags
 from dschat.cli.validate import validate_step2
 from dschat.data import DataCollatorReward
-from dschat.engine.config import train_ds_config
+from dschat.engine.config import offload_options, train_ds_config
 from dschat.engine.train_loop import load_step_data, start_run
 from dschat.models.lora import apply_lora
 from dschat.models.model_utils import load_tokenizer, train_engine
@@ -63,7 +63,7 @@ def main(argv=None):
     data = load_step_data(args, tokenizer, 2, DataCollatorReward())
     ds_config = train_ds_config(
         zero_stage=args.zero_stage, dtype=args.dtype, micro_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, offload=args.offload)
+        gradient_accumulation_steps=args.gradient_accumulation_steps, **offload_options(args))
     engine = build_engine(args, tokenizer, ds_config, data.total_steps)
     run = start_run(args, engine, device, ds_config=ds_config, train_pairs=len(data.train),
                     eval_pairs=len(data.eval))
