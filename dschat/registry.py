@@ -44,8 +44,8 @@ class ModelFamily:
     # "heads" / "kv_heads" (whole attention heads: every head's rows stay together) or
     # "ffn" (single MLP intermediate channels). Column-parallel linears keep a slice of
     # their output rows (and bias); row-parallel ones a slice of their input columns, their
-    # bias is added once after the all-reduce.
-    tp_decode: Optional[str] = None      # key into rollout.tensor_parallel's blocks; None: no TP
+    # bias is added once after the all-reduce. The slices run through the family's
+    # fast_decode block (no tp_column: no tensor parallelism).
     tp_column: tuple[tuple[str, str], ...] = ()
     tp_row: tuple[tuple[str, str], ...] = ()
     # Fused QKV rows: "per_head" = [heads, 3, head_dim] (Bloom, GPT-NeoX), so one head's
@@ -71,7 +71,7 @@ _FAMILIES = [
         dropout_keys=("hidden_dropout", "attention_dropout"),
         lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
         fast_decode="bloom",
-        tp_decode="bloom", tp_qkv_layout="per_head", tp_heads=("n_head",),
+        tp_qkv_layout="per_head", tp_heads=("n_head",),
         tp_column=(("self_attention.query_key_value", "heads"), ("mlp.dense_h_to_4h", "ffn")),
         tp_row=(("self_attention.dense", "heads"), ("mlp.dense_4h_to_h", "ffn")),
     ),
@@ -85,7 +85,7 @@ _FAMILIES = [
         dropout_keys=("dropout", "attention_dropout", "activation_dropout"),
         lora_targets=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
         fast_decode="opt",
-        tp_decode="opt", tp_heads=("num_attention_heads",),
+        tp_heads=("num_attention_heads",),
         tp_column=(("self_attn.q_proj", "heads"), ("self_attn.k_proj", "heads"),
                    ("self_attn.v_proj", "heads"), ("fc1", "ffn")),
         tp_row=(("self_attn.out_proj", "heads"), ("fc2", "ffn")),
@@ -97,7 +97,7 @@ _FAMILIES = [
         pad_fallback="eos", dropout_keys=("attention_dropout",),
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         fast_decode="llama", aliases=("mistral", "qwen2"),
-        tp_decode="llama", tp_heads=("num_attention_heads",), tp_kv_heads=("num_key_value_heads",),
+        tp_heads=("num_attention_heads",), tp_kv_heads=("num_key_value_heads",),
         tp_column=(("self_attn.q_proj", "heads"), ("self_attn.k_proj", "kv_heads"),
                    ("self_attn.v_proj", "kv_heads"), ("mlp.gate_proj", "ffn"), ("mlp.up_proj", "ffn")),
         tp_row=(("self_attn.o_proj", "heads"), ("mlp.down_proj", "ffn")),
@@ -109,7 +109,7 @@ _FAMILIES = [
         dropout_keys=("attention_dropout", "hidden_dropout"),
         lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
         fast_decode="gpt_neox",
-        tp_decode="gpt_neox", tp_qkv_layout="per_head", tp_heads=("num_attention_heads",),
+        tp_qkv_layout="per_head", tp_heads=("num_attention_heads",),
         tp_column=(("attention.query_key_value", "heads"), ("mlp.dense_h_to_4h", "ffn")),
         tp_row=(("attention.dense", "heads"), ("mlp.dense_4h_to_h", "ffn")),
     ),

@@ -40,7 +40,7 @@ def test_registry_tp_layout_resolves_to_linears(family):
         assert isinstance(resolve(block, path), nn.Linear), path
         assert unit in ("heads", "kv_heads", "ffn"), path
     assert fam.tp_qkv_layout == ("per_head" if family in ("bloom", "gpt_neox") else "separate")
-    assert family_of(hc.tiny_model("gpt2")).tp_decode is None
+    assert not family_of(hc.tiny_model("gpt2")).tp_column
 
 
 @pytest.mark.parametrize("family,size", [("bloom", 2), ("bloom", 3), ("llama", 2), ("opt", 4)])

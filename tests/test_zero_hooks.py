@@ -55,6 +55,23 @@ def test_leaf_classes_only_at_zero3_and_only_for_block_granularity():
         use_block_granularity(train_ds_config(zero_stage=3, dtype="fp32", micro_batch_size=1), model, "layer")
 
 
+def test_offload_knobs_in_the_deepspeed_config():
+    """--offload keeps upstream's meaning (parameters and optimizer state on the host at
+    ZeRO-3); --offload_optimizer_only keeps the parameters on the GPU; --offload_ratio < 1
+    is DeepSpeed's partial offload, parameters on the GPU."""
+    def zero(**kw):
+        return train_ds_config(zero_stage=3, dtype="bf16", micro_batch_size=1, **kw)["zero_optimization"]
+    assert zero(offload=True)["offload_param"] == {"device": "cpu"}
+    assert zero(offload=True)["offload_optimizer"] == {"device": "cpu"}
+    assert zero(offload=True, offload_params=False)["offload_param"] == {"device": "none"}
+    partial = zero(offload=True, offload_ratio=0.6)
+    assert partial["offload_optimizer"] == {"device": "cpu", "ratio": 0.6}
+    assert partial["offload_param"] == {"device": "none"}
+    assert zero()["offload_optimizer"] == {"device": "none"} and zero()["offload_param"] == {"device": "none"}
+    stage2 = train_ds_config(zero_stage=2, dtype="bf16", micro_batch_size=1, offload=True)["zero_optimization"]
+    assert stage2["offload_param"] == {"device": "none"} and stage2["offload_optimizer"] == {"device": "cpu"}
+
+
 def test_block_hooks_train_like_module_hooks_on_two_ranks():
     """Real ZeRO-3 across 2 CPU ranks: same losses (1e-6) and weights after 3 AdamW steps,
     every block a leaf, fewer than half the sub-module fetches (Bloom, OPT, LLaMA, critic)."""

@@ -100,7 +100,7 @@ def _offload_knobs(args, trained_stages) -> list[str]:
     ratio = args.offload_ratio
     if not 0 < ratio <= 1:
         out.append(f"--offload_ratio must be in (0, 1], got {ratio}")
-    elif ratio < 1 and (not args.offload or any(s != 3 for s in trained_stages if s)):
+    elif ratio < 1 and (not args.offload or 3 not in trained_stages or any(s in (1, 2) for s in trained_stages)):
         out.append("--offload_ratio below 1 is DeepSpeed's partial offload: it needs --offload and ZeRO stage 3 "
                    "for every trained model that offloads")
     if args.offload_optimizer_only and not args.offload:

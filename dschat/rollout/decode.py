@@ -40,7 +40,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +98,16 @@ def fast_decode_unsupported_reason(model, *, max_total_len: Optional[int] = None
     if p is None or p.device.type == "meta" or p.numel() == 0:
         return "model parameters are not materialized (meta or partitioned)"
     return _BLOCKS[fam.fast_decode].unsupported_reason(model, config, max_total_len)
+
+
+def build_block(model, **kwargs) -> "_DecodeBlock":
+    """The family's decode maths over `model`'s tensors (keywords: _DecodeBlock's)."""
+    return _BLOCKS[family_of(model).fast_decode](model, **kwargs)
+
+
+def fast_decode_supported_block(fam) -> bool:
+    """The registry family `fam` has a decode block."""
+    return fam.fast_decode is not None and fam.fast_decode in _BLOCKS
 
 
 def fast_decode_supported(model, *, max_total_len: Optional[int] = None) -> bool:
@@ -210,6 +220,20 @@ def _prefill_bias(key_bias, P: int):
 
 # --------------------------------------------------------------------------- blocks
 
+@dataclass(frozen=True)
+class TPShard:
+    """What a decode block needs to run as one rank of a tensor-parallel group over the
+    rank's slice of the replica (rollout.tensor_parallel.TPReplica: whole heads and MLP
+    channels of the column-parallel linears, the matching input columns of the
+    row-parallel ones, a vocab slice [vocab_lo, vocab_hi) of embedding and head).
+    `group` sums (`all_reduce_`) and gathers (`all_gather`) within the group."""
+    group: Any
+    vocab: int
+    vocab_lo: int
+    vocab_hi: int
+    vocab_parallel: bool = True
+
+
 class _DecodeBlock:
     """Per-family decode math over the replica's own tensors (held as references).
 
@@ -221,8 +245,9 @@ class _DecodeBlock:
 
     def __init__(self, model, *, numerics: str, fuse_qkv: bool, on_cuda: bool,
                  attn_impl: Optional[str] = None, use_triton: bool = False,
-                 kernel_options: Optional[kernels.KernelOptions] = None):
+                 kernel_options: Optional[kernels.KernelOptions] = None, tp: Optional["TPShard"] = None):
         self.model = model
+        self.tp = tp
         self.kopts = kernel_options or kernels.options()
         # residual add + next norm: one Triton kernel per norm in the decode step
         self.use_triton = use_triton
@@ -246,6 +271,65 @@ class _DecodeBlock:
     @classmethod
     def unsupported_reason(cls, model, config, max_total_len) -> Optional[str]:
         return None
+
+    # tensor parallelism: the same maths on this rank's slice ----------------------
+    def local_heads(self, n: int) -> int:
+        """Heads of this rank: all of them, or 1/size of them in a tensor-parallel group."""
+        return n if self.tp is None else n // self.tp.group.size
+
+    def embed_tokens(self, ids):
+        """Token embeddings; in a TP group a vocab-parallel lookup (own rows, others zero)
+        summed over the group."""
+        tp = self.tp
+        if tp is None or not tp.vocab_parallel:
+            return F.embedding(ids, self.embed)
+        local = ids - tp.vocab_lo
+        inside = (local >= 0) & (local < tp.vocab_hi - tp.vocab_lo)
+        if tp.vocab_hi > tp.vocab_lo:
+            x = F.embedding(local.clamp(0, tp.vocab_hi - tp.vocab_lo - 1), self.embed)
+        else:
+            x = ids.new_zeros(ids.shape + (self.embed.shape[1],), dtype=self.dtype)
+        return tp.group.all_reduce_(x.masked_fill(~inside[..., None], 0))
+
+    def head_logits(self, h, lin=None):
+        """Logits over the whole vocabulary; in a TP group every rank computes its vocab
+        slice and the slices are all-gathered."""
+        tp = self.tp
+        if tp is None:
+            return (lin or self.lin)(h, self.head)
+        local = F.linear(h, self.head)
+        if not tp.vocab_parallel or tp.group.size == 1:
+            return local
+        chunk = -(-tp.vocab // tp.group.size)
+        if local.shape[-1] < chunk:
+            local = F.pad(local, (0, chunk - local.shape[-1]))
+        return torch.cat(tp.group.all_gather(local.contiguous()), dim=-1)[..., :tp.vocab]
+
+    def tp_sum(self, partial):
+        """A row-parallel product summed over the TP group; 16-bit partials are summed in
+        fp32 and rounded once, closer to one full GEMM's single rounding."""
+        group = self.tp.group
+        if group.size == 1 or partial.element_size() >= 4:
+            return group.all_reduce_(partial)
+        return group.all_reduce_(partial.float()).to(partial.dtype)
+
+    def row_linear(self, a, lin):
+        """An output projection (attention out, MLP down): under TP this rank's input
+        columns, summed over the group, the (replicated) bias added once."""
+        if self.tp is None:
+            return self.lin(a, *lin)
+        y = self.tp_sum(self.lin(a, lin[0]))
+        return y if lin[1] is None else y + lin[1]
+
+    def step_bias(self, key_bias, arange, pos, Lb: int):
+        """A decode step's attention bias from the per-key bias [B, Hb, L]: keys after the
+        fed token's slot `pos` masked, [B, Hkv, G, Lb]; the Triton kernel takes the raw
+        per-key bias and reads `pos` itself."""
+        if self.attn_impl == "triton":
+            return key_bias
+        B, G = key_bias.shape[0], self.n_heads // self.n_kv_heads
+        kb = key_bias[:, :, None, :Lb].expand(B, self.n_kv_heads, G, Lb)
+        return torch.where(arange[:Lb] <= pos, kb, _min_value(self.dtype))
 
     @staticmethod
     def default_attention(head_dim: int, numerics: str, use_triton: bool, pad_head_dim: bool = True) -> str:
@@ -323,6 +407,8 @@ class _DecodeBlock:
         after a block's output projections (add_norm_ref says what y2 and second add). With
         per-shape linears ("auto") one tuned op for decode tensors, where the linear may be
         split over K into partials that the norm kernel sums."""
+        if self.tp is not None:
+            return self.norms(a)(self.row_linear(a, lin), r, nw, nb, eps, rms, y2, second)
         if self.lin is kernels.tuned_linear and a.dim() == 2:
             return kernels.linear_add_norm(a, lin[0], lin[1], r, nw, nb, eps, rms, y2, second)
         return self.norms(a)(self.lin(a, *lin), r, nw, nb, eps, rms, y2, second)
@@ -361,7 +447,7 @@ class _BloomBlock(_DecodeBlock):
 
     def bind(self):
         c, fam = self.config, self.fam
-        self.n_heads = self.n_kv_heads = self.bias_heads = c.n_head
+        self.n_heads = self.n_kv_heads = self.bias_heads = self.local_heads(c.n_head)
         self.head_dim = c.hidden_size // c.n_head
         self.hidden = c.hidden_size
         self.post_ln_residual = bool(c.apply_residual_connection_post_layernorm)
@@ -385,7 +471,9 @@ class _BloomBlock(_DecodeBlock):
         self.n_layers = len(self.layers)
         self.vocab = self.head.shape[0]
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.slopes = _alibi_slopes(self.n_heads, self.embed.device)
+        # ALiBi slopes of this rank's heads (a TP rank holds a contiguous run of them)
+        h0 = 0 if self.tp is None else self.tp.group.rank * self.n_heads
+        self.slopes = _alibi_slopes(c.n_head, self.embed.device)[h0:h0 + self.n_heads]
         self.gelu_epilogue = self.on_cuda and _gelu_epilogue_is_tanh(self.embed.device, self.dtype)
 
     def tensors(self):
@@ -430,7 +518,7 @@ class _BloomBlock(_DecodeBlock):
             x, h = self.lin_add_norm(self._mlp_up(h, lay["fc1"], exact), lay["fc2"], res, *nxt, rms=False)
         return h
 
-    def prefill(self, ids, mask, pos_ids, kv, key_bias):
+    def prefill(self, ids, mask, pos_ids, kv, key_bias, hidden: bool = False):
         B, P = ids.shape
         H, D = self.n_heads, self.head_dim
         bias = _prefill_bias(key_bias, P)
@@ -444,8 +532,8 @@ class _BloomBlock(_DecodeBlock):
             kv[li, :, :, :P].copy_(qkv[:, :, :, 1:3].transpose(1, 2))
             q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
             return _attend_prefill(q, k, v, bias, self.scale, impl)
-        h = self._body(self._ln(F.embedding(ids, self.embed), self.emb_ln), attend, exact=True)
-        return _lin(h[:, -1], self.head)
+        h = self._body(self._ln(self.embed_tokens(ids), self.emb_ln), attend, exact=True)
+        return h if hidden else self.head_logits(h[:, -1], _lin)
 
     def decode(self, tok, row_pos, pos, kv, bias, Lb, key_start=None):
         B = tok.shape[0]
@@ -454,9 +542,9 @@ class _BloomBlock(_DecodeBlock):
         def attend(li, h):
             qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
             return self.attend_step(qkv[:, :, 0:1], qkv[:, :, 1:3], kv[li], Lb, bias, pos, key_start)
-        h = self._body(self._ln(F.embedding(tok, self.embed), self.emb_ln), attend,
+        h = self._body(self._ln(self.embed_tokens(tok), self.emb_ln), attend,
                        exact=self.numerics == "hf")
-        return self.lin(h, self.head)
+        return self.head_logits(h)
 
 
 @register_block("opt")
@@ -474,7 +562,7 @@ class _OPTBlock(_DecodeBlock):
 
     def bind(self):
         c, fam = self.config, self.fam
-        self.n_heads = self.n_kv_heads = c.num_attention_heads
+        self.n_heads = self.n_kv_heads = self.local_heads(c.num_attention_heads)
         self.bias_heads = 1
         self.hidden = c.hidden_size
         self.head_dim = c.hidden_size // c.num_attention_heads
@@ -529,7 +617,7 @@ class _OPTBlock(_DecodeBlock):
         return (mask.cumsum(-1) * mask - 1).long()
 
     def _embed(self, ids, pos):
-        x = F.embedding(ids, self.embed)
+        x = self.embed_tokens(ids)
         if self.project_in is not None:
             x = _lin(x, self.project_in)
         return x + F.embedding(pos + self.pos_offset, self.pos_table)
@@ -556,17 +644,18 @@ class _OPTBlock(_DecodeBlock):
             x, h = self.lin_add_norm(attend(li, h), lay["o"], x, *lay["ln2"], rms=False)
             nxt = self.ln_f if li == last else self.layers[li + 1]["ln1"]
             if nxt is None:
-                h = x + self.lin(up(h, lay), *lay["fc2"])
+                h = x + self.row_linear(up(h, lay), lay["fc2"])
             else:
                 x, h = self.lin_add_norm(up(h, lay), lay["fc2"], x, *nxt, rms=False)
         return h
 
-    def _logits(self, h, lin=_lin):
-        if self.project_out is not None:
-            h = lin(h, self.project_out)
-        return lin(h, self.head)
+    def _project_out(self, h, lin=_lin):
+        return h if self.project_out is None else lin(h, self.project_out)
 
-    def prefill(self, ids, mask, pos_ids, kv, key_bias):
+    def _logits(self, h, lin=_lin):
+        return self.head_logits(self._project_out(h, lin), lin)
+
+    def prefill(self, ids, mask, pos_ids, kv, key_bias, hidden: bool = False):
         B, P = ids.shape
         bias = _prefill_bias(key_bias, P)
 
@@ -575,7 +664,8 @@ class _OPTBlock(_DecodeBlock):
             kv[li, :, :, :P].copy_(qkv[:, :, 1:3].permute(0, 3, 1, 2, 4))
             q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
             return _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)
-        return self._logits(self._body(self._embed(ids, pos_ids), attend)[:, -1])
+        h = self._body(self._embed(ids, pos_ids), attend)
+        return self._project_out(h) if hidden else self._logits(h[:, -1])
 
     def decode(self, tok, row_pos, pos, kv, bias, Lb, key_start=None):
         def attend(li, h):
@@ -631,8 +721,8 @@ class _LlamaBlock(_DecodeBlock):
 
     def bind(self):
         c, fam = self.config, self.fam
-        self.n_heads = c.num_attention_heads
-        self.n_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self.n_heads = self.local_heads(c.num_attention_heads)
+        self.n_kv_heads = self.local_heads(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
         self.bias_heads = 1
         blocks = self.part(fam.blocks)
         self.head_dim = blocks[0].self_attn.q_proj.weight.shape[0] // self.n_heads
@@ -712,7 +802,7 @@ class _LlamaBlock(_DecodeBlock):
             x, h = self.lin_add_norm(self._mlp_inner(h, lay), lay["down"], x, w, None, eps, rms=True)
         return h
 
-    def prefill(self, ids, mask, pos_ids, kv, key_bias):
+    def prefill(self, ids, mask, pos_ids, kv, key_bias, hidden: bool = False):
         B, P = ids.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
         bias = _prefill_bias(key_bias, P)
@@ -725,8 +815,8 @@ class _LlamaBlock(_DecodeBlock):
             kv[li, :, :, :P].copy_(torch.stack((k, v), dim=3).transpose(1, 2))
             return _attend_prefill(qkv[:, :, :Hq].transpose(1, 2), k.transpose(1, 2),
                                    v.transpose(1, 2), bias, self.scale, self.attn_impl)
-        h = self._body(F.embedding(ids, self.embed), attend)
-        return _lin(h[:, -1], self.head)
+        h = self._body(self.embed_tokens(ids), attend)
+        return h if hidden else self.head_logits(h[:, -1], _lin)
 
     def decode(self, tok, row_pos, pos, kv, bias, Lb, key_start=None):
         B = tok.shape[0]
@@ -739,7 +829,7 @@ class _LlamaBlock(_DecodeBlock):
             q = qkv[:, :Hq].view(B, Hkv, Hq // Hkv, D)
             new_kv = qkv[:, Hq:].view(B, 2, Hkv, D).transpose(1, 2)  # [B, Hkv, 2, D]
             return self.attend_step(q, new_kv, kv[li], Lb, bias, pos, key_start)
-        return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
+        return self.head_logits(self._body(self.embed_tokens(tok), attend))
 
 
 @register_block("gpt2")
@@ -819,7 +909,7 @@ class _GPTNeoXBlock(_DecodeBlock):
 
     def bind(self):
         c, fam = self.config, self.fam
-        self.n_heads = self.n_kv_heads = c.num_attention_heads
+        self.n_heads = self.n_kv_heads = self.local_heads(c.num_attention_heads)
         self.bias_heads = 1
         self.head_dim = c.hidden_size // c.num_attention_heads
         self.parallel = bool(c.use_parallel_residual)
@@ -874,7 +964,7 @@ class _GPTNeoXBlock(_DecodeBlock):
             if self.parallel:
                 # HF: (mlp(ln2(x)) + attn(ln1(x))) + x, in that order. One kernel adds both
                 # and normalises x for the next layer's attention and MLP (ln1 and ln2)
-                a = self.lin(attend(li, h), *lay["dense"])
+                a = self.row_linear(attend(li, h), lay["dense"])
                 second = None if li == last else self.layers[li + 1]["ln2"]
                 out = self.lin_add_norm(self._mlp(h2, lay), lay["fc2"], x, *nxt, rms=False, y2=a,
                                         second=second)
@@ -884,7 +974,7 @@ class _GPTNeoXBlock(_DecodeBlock):
                 x, h = self.lin_add_norm(self._mlp(h, lay), lay["fc2"], x, *nxt, rms=False)
         return h
 
-    def prefill(self, ids, mask, pos_ids, kv, key_bias):
+    def prefill(self, ids, mask, pos_ids, kv, key_bias, hidden: bool = False):
         B, P = ids.shape
         H, D = self.n_heads, self.head_dim
         bias = _prefill_bias(key_bias, P)
@@ -896,8 +986,8 @@ class _GPTNeoXBlock(_DecodeBlock):
             kv[li, :, :, :P].copy_(qkv[:, :, :, 1:3].transpose(1, 2))
             q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
             return _attend_prefill(q, k, v, bias, self.scale, self.attn_impl)
-        h = self._body(F.embedding(ids, self.embed), attend)
-        return _lin(h[:, -1], self.head)
+        h = self._body(self.embed_tokens(ids), attend)
+        return h if hidden else self.head_logits(h[:, -1], _lin)
 
     def decode(self, tok, row_pos, pos, kv, bias, Lb, key_start=None):
         B = tok.shape[0]
@@ -908,7 +998,7 @@ class _GPTNeoXBlock(_DecodeBlock):
             qkv = self.lin(h, *self.layers[li]["qkv"]).view(B, H, 3, D)
             self.rope_(qkv[:, :, 0:2], cos, sin)               # q and k rows, in place
             return self.attend_step(qkv[:, :, 0:1], qkv[:, :, 1:3], kv[li], Lb, bias, pos, key_start)
-        return self.lin(self._body(F.embedding(tok, self.embed), attend), self.head)
+        return self.head_logits(self._body(self.embed_tokens(tok), attend))
 
 
 # --------------------------------------------------------------------------- generator
@@ -1018,8 +1108,7 @@ class FastGenerator:
         self.length_bucket, self.check_every = int(length_bucket), int(check_every)
         total = self.max_prompt_len + self.max_new_tokens
         self.cache_len = -(-total // self.length_bucket) * self.length_bucket
-        key = family_of(model).fast_decode
-        self.block: _DecodeBlock = _BLOCKS[key](
+        self.block: _DecodeBlock = build_block(
             model, numerics=numerics, fuse_qkv=on_cuda if fuse_qkv is None else bool(fuse_qkv),
             on_cuda=on_cuda, attn_impl=attn_impl,
             use_triton=(on_cuda and kernels.available()) if use_triton is None else bool(use_triton),
@@ -1174,12 +1263,7 @@ class FastGenerator:
     def _step(self, ws: _Workspace, Bb: int, Lb: int, mode: _Mode):
         """One decode step on fixed buffers: feed ws.tok at slot ws.pos, sample, advance."""
         blk = self.block
-        G = blk.n_heads // blk.n_kv_heads
-        if blk.attn_impl == "triton":
-            bias = ws.key_bias[:Bb]
-        else:
-            kb = ws.key_bias[:Bb, :, None, :Lb].expand(Bb, blk.n_kv_heads, G, Lb)
-            bias = torch.where(ws.arange[:Lb] <= ws.pos, kb, _min_value(blk.dtype))
+        bias = blk.step_bias(ws.key_bias[:Bb], ws.arange, ws.pos, Lb)
         logits = blk.decode(ws.tok[:Bb], ws.row_pos[:Bb], ws.pos, ws.kv[:, :Bb], bias, Lb,
                             ws.key_start[:Bb])
         self._advance(ws, Bb, self._select(logits, ws, Bb, mode), mode)

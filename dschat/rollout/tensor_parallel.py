@@ -12,25 +12,24 @@ Training stays ZeRO-3 over all ranks; generation runs tensor-parallel inside gro
   all-reduce. Embedding and LM head are vocab-parallel (rows split in ceil(V/t) chunks;
   a tied head shares the embedding slice); norms and position tables are replicated.
   The replica is an HF module of the source's class built on the meta device and given
-  sliced tensors (its own `forward` cannot run; `TPInference` reads its tensors and
-  calls its norm / activation / rotary submodules).
-  `fill()` gathers from the ZeRO-3 shards unit by unit: each non-block group alone, the
-  blocks `gather_group_size` (`--tp_gather_partition_size`) at a time; per unit: lease
-  from the shared `GatherScheduler`, all-gather, copy this rank's slices (cast, LoRA
-  delta merged and sliced alike), release. The full model never exists at once.
-- `TPInference`: the group decodes the prompts of all its ranks together. Per call the
-  group exchanges batch/prompt sizes, left-pads every rank's prompts to the longest
-  prompt (and pads each rank to the largest batch with finished dummy rows), gathers
-  them, and runs a generic PyTorch decode with a static KV cache of this rank's heads:
-  per block one all-reduce after the attention's row-parallel output projection and one
-  after the MLP's (GPT-NeoX with parallel residual: attention and MLP partial outputs
-  are summed first, one all-reduce per block). The embedding costs one all-reduce, the
-  head one all-gather of vocab slices, so every rank holds identical full logits;
-  greedy / sampling runs on them and the group leader's tokens are broadcast (cheap, and
-  it keeps the group in lockstep whatever the rounding). Each rank returns its own rows,
-  trimmed as HF generate trims them (to the longest own answer when all own rows hit eos).
-  `logits()` (the experience's log-prob pass) pads rows on the right and returns each
-  rank's own rows of the full-vocab logits.
+  sliced tensors. `fill()` gathers from the ZeRO-3 shards unit by unit: each non-block
+  group alone, the blocks `gather_group_size` (`--tp_gather_partition_size`) at a time;
+  per unit: lease from the shared `GatherScheduler`, all-gather, copy this rank's slices
+  (cast, LoRA delta merged and sliced alike), release. The full model never exists at once.
+- `TPInference`: the family's maths is the single-GPU fast path's own decode block
+  (rollout.decode, built with a `TPShard`): over the slices it sees 1/t of the heads, and
+  its three TP seams add the group's collectives: the row-parallel outputs are summed
+  (one all-reduce after the attention's output projection, one after the MLP's), the
+  embedding lookup is vocab-parallel (one all-reduce) and the head's vocab slices are
+  all-gathered, so every rank holds identical full logits. The group decodes the prompts
+  of all its ranks together: per call it exchanges batch/prompt sizes, left-pads every
+  rank's prompts to the longest (and pads each rank to the largest batch with finished
+  dummy rows), gathers them and steps eagerly (no graph replay) over a static KV cache of
+  this rank's heads; greedy / sampling runs on the full logits and the group leader's
+  tokens are broadcast (cheap, and it keeps the group in lockstep whatever the rounding).
+  Each rank returns its own rows, trimmed as HF generate trims them (to the longest own
+  answer when all own rows hit eos). `logits()` (the experience's log-prob pass) pads
+  rows on the right and returns each rank's own rows of the full-vocab logits.
 - `TPActorPath`: `HybridActor`'s branch for `inference_tp_size > 1` (build, refill when the
   weights changed, stats).
 
@@ -46,7 +45,6 @@ and differ between the two; no caller reads them.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -57,7 +55,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dschat.registry import REGISTRY, family_of, head_is_tied, resolve, tp_head_counts, unwrap_peft
-from dschat.rollout.decode import attention_window
+from dschat.rollout import kernels
+from dschat.rollout.decode import TPShard, build_block, fast_decode_supported_block, fast_decode_unsupported_reason
 from dschat.rollout.gather import (
     GatherPlan,
     GatherScheduler,
@@ -72,7 +71,6 @@ from dschat.rollout.gather import (
 from dschat.utils import dist
 from dschat.utils.errors import UserInputError
 from dschat.utils.logging import get_logger, is_rank_0
-from dschat.utils.tensor_ops import positions_from_mask
 
 logger = get_logger(__name__)
 
@@ -80,6 +78,12 @@ FLAG = "--inference_tp_size"
 
 
 # ----------------------------------------------------------------- validation
+
+def tp_layout(fam) -> bool:
+    """The family has a tensor-parallel layout (registry tp_column / tp_row) and a decode
+    block to run over the slices."""
+    return bool(fam.tp_column) and fast_decode_supported_block(fam)
+
 
 def tp_size_problems(tp_size: int, world_size: int, config=None, *, hybrid: bool = True) -> list[str]:
     """Every problem of `--inference_tp_size` for this world size and actor config
@@ -98,8 +102,8 @@ def tp_size_problems(tp_size: int, world_size: int, config=None, *, hybrid: bool
     if config is None:
         return out
     fam = family_of(config)
-    if fam.tp_decode is None or fam.tp_decode not in _BLOCKS:
-        known = sorted(k for k, f in REGISTRY.items() if f.tp_decode in _BLOCKS)
+    if not tp_layout(fam):
+        known = sorted(k for k, f in REGISTRY.items() if tp_layout(f))
         out.append(f"{FLAG} {tp_size}: model type {config.model_type!r} has no tensor-parallel layout "
                    f"(supported: {', '.join(known)})")
         return out
@@ -444,322 +448,16 @@ class TPReplica:
                 "gather_units": len(self.units), "fills": self.fills}
 
 
-# --------------------------------------------------------------- decode blocks
-
-_BLOCKS: dict[str, type] = {}
-
-
-def register_tp_block(key: str):
-    """Class decorator: the TP decode math for registry key `ModelFamily.tp_decode`."""
-    def deco(cls):
-        _BLOCKS[key] = cls
-        return cls
-    return deco
-
-
-def _lin(x, mod):
-    """A (column-sliced) linear with its (sliced) bias."""
-    return F.linear(x, mod.weight, mod.bias)
-
-
-def _rope(x, cos, sin):
-    """HF's q * cos + rotate_half(q) * sin on the first cos.shape[-1] dims (partial rotary
-    keeps the rest). x [N, H, S, D], cos/sin [N, S, R]."""
-    cos, sin = cos[:, None], sin[:, None]
-    R = cos.shape[-1]
-    rot = x[..., :R]
-    x1, x2 = rot[..., :R // 2], rot[..., R // 2:]
-    out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return out if R == x.shape[-1] else torch.cat((out, x[..., R:]), dim=-1)
-
-
-def _attention(q, k, v, bias, scale: float, fused_bias: bool = False):
-    """q [N, H, S, D], k/v [N, Hkv, L, D] (H a multiple of Hkv), bias [N, Hb, S, L]
-    additive -> [N, H, S, D]; softmax in fp32 as HF's eager path. `fused_bias`: the bias
-    enters one baddbmm with the scaled scores (Bloom's op order, fewer 16-bit roundings)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    if fused_bias:
-        N, H, S, D = q.shape
-        L = k.shape[2]
-        scores = torch.baddbmm(bias.expand(N, H, S, L).reshape(N * H, S, L), q.reshape(N * H, S, D),
-                               k.reshape(N * H, L, D).transpose(1, 2), alpha=scale).view(N, H, S, L)
-    else:
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
-
-
-@dataclass
-class _Run:
-    """One forward call: tokens at cache slots [start, stop) of every row."""
-    cache: list                        # per layer (K, V), each [N, Hkv_local, L, D]
-    start: int
-    stop: int
-    bias: torch.Tensor                 # [N, Hb, S, stop] additive (padding, causal, ALiBi)
-    pos: Optional[torch.Tensor]        # [N, S] position ids (None: the family needs none)
-
-
-class _TPBlock:
-    """Per-family TP math over a `TPReplica`'s sliced tensors. Subclasses implement `bind`,
-    `embed(ids, pos)` and `body(x, run)` (embeddings -> final hidden state), and may
-    override `key_bias` (ALiBi) and `uses_positions`."""
-
-    uses_positions = True
-    fused_bias = False
-
-    def __init__(self, replica: TPReplica):
-        self.replica, self.model, self.group = replica, replica.model, replica.group
-        self.fam, self.config = replica.fam, replica.model.config
-        heads, kv = tp_head_counts(self.config)
-        self.heads_full = heads
-        self.n_heads, self.n_kv = heads // self.group.size, kv // self.group.size
-        self.blocks = list(resolve(self.model, self.fam.blocks))
-        self.embed_w = resolve(self.model, self.fam.embed_tokens).weight
-        self.head_w = resolve(self.model, self.fam.lm_head).weight
-        self.bind()
-
-    def bind(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def dtype(self):
-        return self.embed_w.dtype
-
-    # -- shared pieces
-    def reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """Sum a row-parallel output over the group, then add its (replicated) bias once."""
-        out = self.all_reduce(partial)
-        return out if bias is None else out + bias
-
-    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """Group sum; 16-bit partials are summed in fp32 and rounded once, closer to one
-        full GEMM's single rounding (twice the bytes on the wire: correctness first)."""
-        if self.group.size == 1 or partial.element_size() >= 4:
-            return self.group.all_reduce_(partial)
-        return self.group.all_reduce_(partial.float()).to(partial.dtype)
-
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel lookup: own rows looked up, others zero, summed over the group."""
-        if not self.replica.vocab_parallel:
-            return F.embedding(ids, self.embed_w)
-        lo, hi = self.replica.vocab_lo, self.replica.vocab_hi
-        local = ids - lo
-        inside = (local >= 0) & (local < hi - lo)
-        if hi > lo:
-            x = F.embedding(local.clamp(0, hi - lo - 1), self.embed_w)
-        else:
-            x = ids.new_zeros(ids.shape + (self.embed_w.shape[1],), dtype=self.dtype)
-        return self.group.all_reduce_(x.masked_fill(~inside[..., None], 0))
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Full-vocab logits on every rank: local vocab slice, all-gathered."""
-        local = F.linear(h, self.head_w)
-        if not self.replica.vocab_parallel or self.group.size == 1:
-            return local
-        chunk = -(-self.replica.vocab // self.group.size)
-        if local.shape[-1] < chunk:
-            local = F.pad(local, (0, chunk - local.shape[-1]))
-        return torch.cat(self.group.all_gather(local), dim=-1)[..., :self.replica.vocab]
-
-    def key_bias(self, ext_mask: torch.Tensor) -> torch.Tensor:
-        """[N, L] 0/1 mask of every cache slot -> [N, Hb, L] per-key bias of allowed keys."""
-        return torch.zeros(ext_mask.shape[0], 1, ext_mask.shape[1], dtype=self.dtype, device=ext_mask.device)
-
-    def new_cache(self, rows: int, length: int) -> list:
-        dev = self.embed_w.device
-        shape = (rows, self.n_kv, length, self.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev))
-                for _ in self.blocks]
-
-    def attend(self, li: int, q, k, v, run: _Run) -> torch.Tensor:
-        """Write k/v into the cache, attend over slots [0, stop): context [N, S, H_local*D]."""
-        K, V = run.cache[li]
-        K[:, :, run.start:run.stop] = k
-        V[:, :, run.start:run.stop] = v
-        ctx = _attention(q, K[:, :, :run.stop], V[:, :, :run.stop], run.bias, self.scale, self.fused_bias)
-        N, H, S, D = ctx.shape
-        return ctx.transpose(1, 2).reshape(N, S, H * D)
-
-    def heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
-        """[N, S, n*D] -> [N, n, S, D]."""
-        N, S, _ = t.shape
-        return t.view(N, S, n, self.head_dim).transpose(1, 2)
-
-    def forward(self, ids: torch.Tensor, run: _Run) -> torch.Tensor:
-        return self.body(self.embed(ids, run.pos), run)
-
-
-@register_tp_block("bloom")
-class _BloomTP(_TPBlock):
-    """Bloom: fused QKV [heads, 3, D] per row (column-parallel by whole heads), ALiBi with
-    this rank's heads' slopes, HF's tanh-GELU module."""
-
-    uses_positions = False
-    fused_bias = True
-
-    def bind(self):
-        c = self.config
-        if getattr(c, "pretraining_tp", 1) > 1 and getattr(c, "slow_but_exact", False):
-            raise NotImplementedError("tensor-parallel decode of bloom with slow_but_exact")
-        self.head_dim = c.hidden_size // c.n_head
-        self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.post_ln = bool(c.apply_residual_connection_post_layernorm)
-        self.emb_ln = resolve(self.model, self.fam.extra_pre[0])
-        self.ln_f = resolve(self.model, self.fam.final_norm)
-
-    def key_bias(self, ext_mask):
-        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
-        N, L = ext_mask.shape
-        alibi = build_alibi_tensor(ext_mask, self.heads_full, self.dtype).view(N, self.heads_full, L)
-        h0 = self.group.rank * self.n_heads
-        return alibi[:, h0:h0 + self.n_heads]
-
-    def embed(self, ids, pos):
-        return self.emb_ln(self.embed_tokens(ids))
-
-    def body(self, x, run):
-        H, D = self.n_heads, self.head_dim
-        for li, blk in enumerate(self.blocks):
-            at, mlp = blk.self_attention, blk.mlp
-            ln1 = blk.input_layernorm(x)
-            res = ln1 if self.post_ln else x
-            N, S, _ = ln1.shape
-            qkv = _lin(ln1, at.query_key_value).view(N, S, H, 3, D)
-            q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))
-            ctx = self.attend(li, q, k, v, run)
-            x = res + self.reduce(F.linear(ctx, at.dense.weight), at.dense.bias)
-            ln2 = blk.post_attention_layernorm(x)
-            res = ln2 if self.post_ln else x
-            up = mlp.gelu_impl(_lin(ln2, mlp.dense_h_to_4h))
-            x = res + self.reduce(F.linear(up, mlp.dense_4h_to_h.weight), mlp.dense_4h_to_h.bias)
-        return self.ln_f(x)
-
-
-@register_tp_block("opt")
-class _OPTTP(_TPBlock):
-    """OPT: learned positions (offset), pre- or post-LN, optional project_in/out."""
-
-    def bind(self):
-        c = self.config
-        self.head_dim = c.hidden_size // c.num_attention_heads
-        self.scale = self.head_dim ** -0.5
-        self.pre_ln = bool(c.do_layer_norm_before)
-        self.pos_table = resolve(self.model, self.fam.extra_pre[0])
-        self.pos_offset = getattr(self.pos_table, "offset", 2)
-        self.project_in = resolve(self.model, self.fam.extra_pre[1])
-        self.project_out = resolve(self.model, self.fam.extra_post[0])
-        self.ln_f = resolve(self.model, self.fam.final_norm)
-
-    def embed(self, ids, pos):
-        x = self.embed_tokens(ids)
-        if self.project_in is not None:
-            x = self.project_in(x)
-        return x + F.embedding(pos + self.pos_offset, self.pos_table.weight)
-
-    def body(self, x, run):
-        for li, blk in enumerate(self.blocks):
-            at = blk.self_attn
-            h = blk.self_attn_layer_norm(x) if self.pre_ln else x
-            q = self.heads(_lin(h, at.q_proj), self.n_heads)
-            k = self.heads(_lin(h, at.k_proj), self.n_kv)
-            v = self.heads(_lin(h, at.v_proj), self.n_kv)
-            x = x + self.reduce(F.linear(self.attend(li, q, k, v, run), at.out_proj.weight), at.out_proj.bias)
-            if not self.pre_ln:
-                x = blk.self_attn_layer_norm(x)
-            h = blk.final_layer_norm(x) if self.pre_ln else x
-            up = blk.activation_fn(_lin(h, blk.fc1))
-            x = x + self.reduce(F.linear(up, blk.fc2.weight), blk.fc2.bias)
-            if not self.pre_ln:
-                x = blk.final_layer_norm(x)
-        if self.ln_f is not None:
-            x = self.ln_f(x)
-        if self.project_out is not None:
-            x = self.project_out(x)
-        return x
-
-
-@register_tp_block("llama")
-class _LlamaTP(_TPBlock):
-    """LLaMA / Mistral / Qwen2: RMSNorm, rotary (the replica's own rotary module), GQA with
-    whole KV heads per rank, gated MLP."""
-
-    def bind(self):
-        self.head_dim = self.blocks[0].self_attn.q_proj.weight.shape[0] // self.n_heads
-        self.scale = self.head_dim ** -0.5
-        self.norm = resolve(self.model, self.fam.final_norm)
-        self.rotary = resolve(self.model, self.fam.base_model + ".rotary_emb")
-        self.window = attention_window(self.config)
-
-    def embed(self, ids, pos):
-        return self.embed_tokens(ids)
-
-    def body(self, x, run):
-        if self.window is not None and run.stop > self.window:
-            raise NotImplementedError(f"tensor-parallel decode with a sliding window ({self.window}) "
-                                      f"shorter than the sequence ({run.stop})")
-        cos, sin = self.rotary(x, run.pos)
-        for li, blk in enumerate(self.blocks):
-            at, mlp = blk.self_attn, blk.mlp
-            h = blk.input_layernorm(x)
-            q = _rope(self.heads(_lin(h, at.q_proj), self.n_heads), cos, sin)
-            k = _rope(self.heads(_lin(h, at.k_proj), self.n_kv), cos, sin)
-            v = self.heads(_lin(h, at.v_proj), self.n_kv)
-            x = x + self.reduce(F.linear(self.attend(li, q, k, v, run), at.o_proj.weight), at.o_proj.bias)
-            h = blk.post_attention_layernorm(x)
-            up = mlp.act_fn(_lin(h, mlp.gate_proj)) * _lin(h, mlp.up_proj)
-            x = x + self.reduce(F.linear(up, mlp.down_proj.weight), mlp.down_proj.bias)
-        return self.norm(x)
-
-
-@register_tp_block("gpt_neox")
-class _NeoXTP(_TPBlock):
-    """GPT-NeoX: fused QKV [heads, 3, D], partial rotary; with parallel residual the
-    attention and MLP partial outputs are summed locally: one all-reduce per block."""
-
-    def bind(self):
-        c = self.config
-        self.head_dim = c.hidden_size // c.num_attention_heads
-        self.scale = self.head_dim ** -0.5
-        self.parallel = bool(c.use_parallel_residual)
-        self.norm = resolve(self.model, self.fam.final_norm)
-        self.rotary = resolve(self.model, self.fam.base_model + ".rotary_emb")
-
-    def embed(self, ids, pos):
-        return self.embed_tokens(ids)
-
-    def _mlp(self, h, mlp):
-        return F.linear(mlp.act(_lin(h, mlp.dense_h_to_4h)), mlp.dense_4h_to_h.weight)
-
-    def body(self, x, run):
-        cos, sin = self.rotary(x, run.pos)
-        for li, blk in enumerate(self.blocks):
-            at, mlp = blk.attention, blk.mlp
-            h = blk.input_layernorm(x)
-            N, S, _ = h.shape
-            qkv = _lin(h, at.query_key_value).view(N, S, self.n_heads, 3 * self.head_dim).transpose(1, 2)
-            q, k, v = qkv.chunk(3, dim=-1)
-            ctx = self.attend(li, _rope(q, cos, sin), _rope(k, cos, sin), v, run)
-            attn = F.linear(ctx, at.dense.weight)
-            b_attn, b_mlp = at.dense.bias, mlp.dense_4h_to_h.bias
-            if self.parallel:
-                # x + attn(ln1(x)) + mlp(ln2(x)): both partial sums reduced together
-                y = self.all_reduce(attn + self._mlp(blk.post_attention_layernorm(x), mlp))
-                for b in (b_attn, b_mlp):
-                    y = y if b is None else y + b
-                x = y + x
-            else:
-                a = self.reduce(attn, b_attn) + x
-                x = self.reduce(self._mlp(blk.post_attention_layernorm(a), mlp), b_mlp) + a
-        return self.norm(x)
-
-
 # -------------------------------------------------------------------- decoding
 
+LENGTH_BUCKET = 64      # attention spans the filled cache rounded up to this many slots
+
+
 class TPInference:
-    """A TP group's replica slice + generic decoder. `generate` and `logits` are
-    collectives of the group; `fill` is a ZeRO-3 collective of all ranks."""
+    """A TP group's replica slice, decoded by the family's own fast-decode block
+    (rollout.decode) with the group's collectives in its row-parallel outputs, embedding
+    and head. `generate` and `logits` are collectives of the group; `fill` is a ZeRO-3
+    collective of all ranks."""
 
     def __init__(self, src_module: nn.Module, *, tp_size: int, dtype: Optional[torch.dtype] = None,
                  device=None, gather_group_size: int = 8, scheduler: Optional[GatherScheduler] = None,
@@ -771,11 +469,20 @@ class TPInference:
         self.replica = TPReplica(src_module, self.group, dtype=dtype, device=device,
                                  gather_group_size=gather_group_size, scheduler=scheduler, owner=owner,
                                  vocab_parallel=vocab_parallel)
-        self.block: _TPBlock = _BLOCKS[self.replica.fam.tp_decode](self.replica)
-        self.device = self.replica.device
+        r = self.replica
+        # the replica (LoRA merged into it) has the source's config; lengths are checked per call
+        reason = fast_decode_unsupported_reason(r.model, max_total_len=1)
+        if reason is not None:
+            raise UserInputError(f"{FLAG} {tp_size}: tensor-parallel decode does not support this actor: {reason}")
+        self.device = r.device
+        on_cuda = self.device.type == "cuda"
+        shard = TPShard(self.group, r.vocab, r.vocab_lo, r.vocab_hi, r.vocab_parallel)
+        # eager steps (no graph replay: the group's collectives are not captured)
+        self.block = build_block(
+            r.model, numerics="fast", fuse_qkv=on_cuda, on_cuda=on_cuda,
+            use_triton=on_cuda and kernels.available(), tp=shard)
         self.last_stats: dict = {}
         if is_rank_0():
-            r = self.replica
             logger.info(f"tensor-parallel replica ({FLAG} {tp_size}): {r.nbytes} of {r.full_nbytes} bytes "
                         f"per rank; gathered in {len(r.units)} units of up to {gather_group_size} blocks")
 
@@ -785,6 +492,8 @@ class TPInference:
 
     def fill(self) -> None:
         self.replica.fill()
+        self.block.bind()        # the slices are refilled in place; derived (fused) weights follow
+        self.block.rebuild()
 
     def release(self) -> None:
         self.replica.release()
@@ -795,15 +504,11 @@ class TPInference:
         h = torch.tensor(header, dtype=torch.long, device=self.device)
         return torch.stack(self.group.all_gather(h))
 
-    def _run(self, cache, ext, key_bias, pos, start: int, count: int) -> _Run:
-        stop = start + count
-        dev = ext.device
-        q_idx = torch.arange(start, stop, device=dev)
-        k_idx = torch.arange(stop, device=dev)
-        allowed = (ext[:, None, :stop] != 0) & (k_idx[None, None, :] <= q_idx[None, :, None])
-        bias = torch.where(allowed[:, None], key_bias[:, :, None, :stop],
-                           torch.finfo(key_bias.dtype).min)
-        return _Run(cache, start, stop, bias, None if pos is None else pos[:, start:stop])
+    def _kv(self, rows: int, length: int) -> torch.Tensor:
+        """A static KV cache of this rank's K/V heads, as FastGenerator's workspace holds it."""
+        blk = self.block
+        return torch.zeros(blk.n_layers, rows, blk.n_kv_heads, length, 2, blk.head_dim,
+                           dtype=blk.dtype, device=self.device)
 
     # -- generate
     @torch.no_grad()
@@ -830,6 +535,9 @@ class TPInference:
         eos_pad = torch.tensor(list(eos) + [eos[0] if eos else 0] * (E - len(eos)), dtype=torch.long, device=dev)
         eos_all = torch.stack(g.all_gather(eos_pad)) if E else None      # [size, E], padded by repeats
         Bm, Pm, T = max(int(hdr[:, 0].max()), 1), int(hdr[:, 1].max()), int(hdr[:, 2].max())
+        reason = fast_decode_unsupported_reason(blk.model, max_total_len=Pm + T)
+        if reason is not None:
+            raise NotImplementedError(f"tensor-parallel decode: {reason}")
         ids = torch.full((Bm, Pm), int(pad_token_id), dtype=torch.long, device=dev)
         mask = torch.zeros((Bm, Pm), dtype=torch.long, device=dev)
         ids[:B, Pm - P:] = input_ids.to(dev)
@@ -837,15 +545,18 @@ class TPInference:
         mask[B:, -1] = 1                             # dummy rows: one visible key, finished at once
         ids, mask = torch.cat(g.all_gather(ids)), torch.cat(g.all_gather(mask))
         rows = self._row_settings(hdr, eos_all, Bm)
-        N, L = ids.shape[0], Pm + T
+        N = ids.shape[0]
+        L = -(-(Pm + T) // LENGTH_BUCKET) * LENGTH_BUCKET
         ext = torch.ones((N, L), dtype=torch.long, device=dev)
         ext[:, :Pm] = mask
-        pos = positions_from_mask(ext) if blk.uses_positions else None
         key_bias = blk.key_bias(ext)
-        cache = blk.new_cache(N, L)
+        key_start = (mask != 0).int().argmax(-1).int()
+        arange = torch.arange(L, device=dev)
+        kv = self._kv(N, L)
         t0 = time.perf_counter()
-        logits = blk.logits(blk.forward(ids, self._run(cache, ext, key_bias, pos, 0, Pm))[:, -1])
+        logits = blk.prefill(ids, mask, blk.prompt_positions(mask), kv, key_bias[:, :, :Pm])
         t1 = time.perf_counter()
+        row_pos = mask.sum(-1) - 1
         finished = ~rows["real"] | (rows["max_new"] < 1)
         out = rows["pad"][:, None].repeat(1, T)
         made = 0
@@ -860,8 +571,11 @@ class TPInference:
             finished |= rows["max_new"] <= made
             if made == T or bool(finished.all()):
                 break
-            run = self._run(cache, ext, key_bias, pos, Pm + t, 1)
-            logits = blk.logits(blk.forward(nxt[:, None], run)[:, -1])
+            slot = Pm + t                             # the fed token's cache slot
+            row_pos += 1
+            pos = torch.tensor([slot], dtype=torch.long, device=dev)
+            Lb = min(L, -(-(slot + 1) // LENGTH_BUCKET) * LENGTH_BUCKET)
+            logits = blk.decode(nxt, row_pos, pos, kv, blk.step_bias(key_bias, arange, pos, Lb), Lb, key_start)
         mine = out[g.rank * Bm:g.rank * Bm + B, :min(made, int(max_new_tokens))]
         if eos and B:
             is_eos = torch.isin(mine, torch.tensor(eos, dtype=torch.long, device=dev))
@@ -912,22 +626,22 @@ class TPInference:
         ids[:B, :S] = input_ids.to(dev)
         mask[:B, :S] = attention_mask.to(dev).long()
         mask[B:, 0] = 1
-        pos = torch.ones((Bm, Sm), dtype=torch.long, device=dev)
-        pos[:B, :S] = positions_from_mask(mask[:B, :S]) if position_ids is None else position_ids.to(dev)
-        ids, mask, pos = (torch.cat(g.all_gather(t)) for t in (ids, mask, pos))
-        key_bias = blk.key_bias(mask)
-        cache = blk.new_cache(ids.shape[0], Sm)
-        run = self._run(cache, mask, key_bias, pos if blk.uses_positions else None, 0, Sm)
-        h = blk.forward(ids, run)
+        ids, mask = torch.cat(g.all_gather(ids)), torch.cat(g.all_gather(mask))
+        pos = blk.prompt_positions(mask)
+        if pos is not None and position_ids is not None:   # the caller's positions for its own rows
+            own = pos[g.rank * Bm:(g.rank + 1) * Bm].clone()
+            own[:B, :S] = position_ids.to(dev)
+            pos = torch.cat(g.all_gather(own))
+        h = blk.prefill(ids, mask, pos, self._kv(ids.shape[0], Sm), blk.key_bias(mask), hidden=True)
         if not self.replica.vocab_parallel or g.size == 1:
-            return blk.logits(h[g.rank * Bm:g.rank * Bm + B])[:, :S].float()
+            return F.linear(h[g.rank * Bm:g.rank * Bm + B], blk.head)[:, :S].float()
         return self._own_rows_logits(h, Bm)[:B, :S].float()
 
     def _own_rows_logits(self, h: torch.Tensor, Bm: int) -> torch.Tensor:
         """Full-vocab logits of this rank's `Bm` rows: each rank's vocab slice of rank r's
         rows is gathered on rank r only ([Bm, S, V] per rank, not the group's [N, S, V])."""
         g, rep = self.group, self.replica
-        local = F.linear(h, self.block.head_w)
+        local = F.linear(h, self.block.head)
         chunk = -(-rep.vocab // g.size)
         if local.shape[-1] < chunk:
             local = F.pad(local, (0, chunk - local.shape[-1]))
