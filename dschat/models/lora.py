@@ -72,7 +72,9 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     """Base-model state dict with every LoRA delta folded into its base weight.
 
     `state` is the model's full (gathered) state dict; for a plain model it is returned
-    unchanged. Works on copies: the trained tensors are never modified.
+    unchanged. Works on copies: the trained tensors are never modified. (peft's own merge,
+    `merge_and_unload` / `get_delta_weight`, reads the live adapter weights, which ZeRO-3
+    holds partitioned; the hybrid engine's replica fill uses it inside a gather.)
     """
     if not is_peft_model(model):
         return state
