@@ -56,7 +56,9 @@ def check_phases(rows, phases, absent=()):
             assert r[f"time/{phase}_s"] >= 0, (r["step"], phase)
         for phase in absent:
             assert f"time/{phase}_s" not in r, (r["step"], phase)
-        assert not [k for k in r if k.startswith("memory/") and k != "memory/peak_gib"], r   # CPU: seconds only
+        # CPU: no per-phase memory, only the run's peak (here the host's) and the host's peak
+        assert not [k for k in r if k.startswith("memory/") and k not in ("memory/peak_gib", "memory/host_peak_gib")], r
+        assert abs(r["memory/host_peak_gib"] - r["memory/peak_gib"]) < 0.05 and r["memory/peak_gib"] > 0, r
         scoring = sum(v for k, v in r.items() if k.startswith("time/score_") and k != "time/score_s")
         assert scoring <= r["time/score_s"] + 0.01, (r["step"], scoring, r["time/score_s"])
 

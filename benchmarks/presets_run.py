@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Every preset of configs/presets through steps 1-3, a few optimizer / PPO steps each, on
+the deployment row this machine has: what each step needs (peak memory) and how fast it
+runs, beside the preset's own estimate. Random weights at each preset's shape
+(`--random-init`), the bundled data, no report.
+
+    python benchmarks/presets_run.py --deployment-type single_gpu --steps 5 --out benchmarks/presets.md
+    python benchmarks/presets_run.py --presets demo --deployment-type cpu --steps 2     # CPU smoke
+
+Each preset runs `applications/e2e_rlhf.py --actor-model P --random-init --step 1 2 3
+--stepN-args='--max_steps S'` into <workdir>/<P>; a preset that fails gets its error line
+and log folder in the table and the next one runs.
+"""
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PRESETS = REPO / "configs" / "presets"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=None,
+                   help="Preset names (default: every preset with a row for --deployment-type).")
+    p.add_argument("--deployment-type", default="single_gpu", help="The presets' deployment row to run.")
+    p.add_argument("--steps", type=int, default=5, help="Optimizer steps of steps 1 and 2, PPO steps of step 3.")
+    p.add_argument("--data-path", default="dschat/synthetic-assistant", help="Data of all three steps.")
+    p.add_argument("--timeout", type=int, default=1800, help="Seconds per preset (all three steps).")
+    p.add_argument("--workdir", default="/tmp/dschat_presets", help="One output folder per preset.")
+    p.add_argument("--out", default=None, help="Append the table (markdown) to this file.")
+    return p.parse_args(argv)
+
+
+def presets_with_row(row: str) -> list[str]:
+    names = []
+    for f in sorted(PRESETS.glob("*.json")):
+        preset = json.loads(f.read_text())
+        if row in preset.get("deployments", {}) and ("config" in preset or preset["name"] == "demo"):
+            names.append(preset["name"])
+    return names
+
+
+def step_summary(folder: Path, warmup: int = 1) -> dict:
+    """Steps done, mean seconds per step after the first `warmup`, and the peak memory the
+    step's metrics report (GiB; GPU on GPUs, host on CPU)."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "time/step_s" in r]
+    if not rows:
+        return {}
+    steady = rows[warmup:] or rows
+    return {"steps": len(rows), "step_s": sum(r["time/step_s"] for r in steady) / len(steady),
+            "peak_gib": max(r.get("memory/peak_gib", float("nan")) for r in rows),
+            "samples_per_s": (sum(r["ppo/samples_per_s"] for r in steady) / len(steady)
+                              if "ppo/samples_per_s" in steady[0] else None)}
+
+
+def run_preset(name: str, args) -> dict:
+    out = Path(args.workdir) / name
+    step_args = f"--max_steps {args.steps}"
+    cmd = [sys.executable, str(REPO / "applications" / "e2e_rlhf.py"), "--actor-model", name,
+           "--deployment-type", args.deployment_type, "--output-dir", str(out), "--data-path", args.data_path,
+           "--step", "1", "2", "3", "--force", "--no-report",
+           f"--step1-args={step_args}", f"--step2-args={step_args}", f"--step3-args={step_args}"]
+    if name != "demo":
+        cmd.append("--random-init")
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        rc, tail = proc.returncode, (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+    except subprocess.TimeoutExpired:
+        rc, tail = -1, [f"timed out after {args.timeout} s"]
+    preset = json.loads((PRESETS / f"{name}.json").read_text())
+    row = preset["deployments"][args.deployment_type]
+    return {"preset": name, "rc": rc, "error": "" if rc == 0 else tail[0][:200], "wall_s": time.time() - t0,
+            "estimate_gb": row.get("estimate_gb", {}), "zero": (row.get("actor_zero_stage"), row.get("reward_zero_stage")),
+            "steps": {s: step_summary(out / f"step{s}") for s in (1, 2, 3)}, "logs": str(out / "logs")}
+
+
+def table(results: list[dict], args) -> str:
+    lines = [f"every preset, deployment {args.deployment_type}, {args.steps} steps of each of steps 1-3, random "
+             f"weights at the preset's shape, data {args.data_path}; s/step is the mean after the first step", "",
+             "| preset | ZeRO actor/reward | step 1 s/step | step 1 peak GiB (est. GB) | step 2 s/step "
+             "| step 2 peak GiB (est. GB) | step 3 s/step | step 3 samples/s | step 3 peak GiB (est. GB) | result |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        cells = []
+        for s in (1, 2, 3):
+            got, est = r["steps"].get(s) or {}, r["estimate_gb"].get(f"step{s}")
+            est_txt = f" ({est})" if est is not None else ""
+            cells.append(f"{got['step_s']:.2f}" if got else "-")
+            if s == 3:
+                cells.append(f"{got['samples_per_s']:.2f}" if got and got.get("samples_per_s") else "-")
+            cells.append((f"{got['peak_gib']:.1f}" if got else "-") + est_txt)
+        result = "ok" if r["rc"] == 0 else f"failed: {r['error']} (logs: {r['logs']})"
+        lines.append(f"| {r['preset']} | {r['zero'][0]}/{r['zero'][1]} | " + " | ".join(cells) + f" | {result} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    names = args.presets or presets_with_row(args.deployment_type)
+    results = []
+    for name in names:
+        r = run_preset(name, args)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    text = table(results, args)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
