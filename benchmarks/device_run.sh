@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One run of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
 # on the GPU machine with the wheels of benchmarks/GPU_SETUP.md in .whl/:
-#   bash benchmarks/device_run.sh gen|check|step3|step3modes|step3big|step3fam|decode|profile7b|start|trl OUT_DIR
+#   bash benchmarks/device_run.sh gen|check|step3|step3modes|step3big|presets|step3fam|decode|profile7b|start|trl OUT_DIR
+# presets: every one-GPU preset through steps 1-3, 5 steps each (presets_run.py)
 # check: the CUDA tests (kernels against their references, graph replay against HF, refill,
 #   phase peaks), then generation at bloom-560m and bloom-7b1 B16: HF, HF static cache, ours
 # step3modes: step 3 at bloom-560m in every one-GPU mode (hybrid off, ours fast, checkpointed,
@@ -27,8 +28,9 @@ if [ "$what" = gen ]; then
   python3 benchmarks/generation.py --models bloom-7b1 --batch 1 16 64 --repeats 3 --hf_busy --out "$out/gen" 2>&1 | grep -v -i warn
   python3 benchmarks/generation.py --models bloom-1b7 opt-1.3b llama-7b --batch 16 --modes hf unwrap generic fast --out "$out/gen" 2>&1 | grep -v -i warn
 elif [ "$what" = check ]; then
-  timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_decode.py tests/test_hybrid.py \
-    tests/test_phases.py -k "cuda or triton" 2>&1 | tail -15
+  # the per-candidate kernel reference check compiles every launch candidate: minutes
+  python3 -m pytest -v -p no:cacheprovider --timeout 240 tests/test_decode.py tests/test_hybrid.py \
+    tests/test_phases.py -k "cuda or triton" 2>&1 | grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout|passed|failed"
   python3 benchmarks/generation.py --models bloom-560m bloom-7b1 --batch 16 --modes hf hf_static fast \
     --out "$out/gen" 2>&1 | grep -v -i warn
 elif [ "$what" = step3modes ]; then
@@ -39,6 +41,9 @@ elif [ "$what" = step3big ]; then
   python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 20 --warmup 3 \
     --hybrid_off_steps 3 --offload_ratio 0.6 --modes "ours fast, optimizer offloaded" "ours fast, LoRA" \
     "hybrid off, optimizer offloaded" --out "$out/step3_7b1.md" 2>&1 | grep -v -i warn
+elif [ "$what" = presets ]; then
+  python3 benchmarks/presets_run.py --deployment-type single_gpu --steps 5 --timeout 900 \
+    --out "$out/presets.md" 2>&1 | grep -v -i warn
 elif [ "$what" = decode ]; then
   python3 benchmarks/attn_bench.py --out "$out" 2>&1 | grep -v -i warn
   python3 benchmarks/linear_bench.py --out "$out" 2>&1 | grep -v -i warn
