@@ -79,7 +79,8 @@ def run_preset(name: str, args) -> dict:
     preset = json.loads((PRESETS / f"{name}.json").read_text())
     row = preset["deployments"][args.deployment_type]
     return {"preset": name, "rc": rc, "error": "" if rc == 0 else tail[0][:200], "wall_s": time.time() - t0,
-            "estimate_gb": row.get("estimate_gb", {}), "zero": (row.get("actor_zero_stage"), row.get("reward_zero_stage")),
+            "estimate_gb": row.get("estimate_gb", {}),
+            "zero": (row.get("actor_zero_stage"), row.get("reward_zero_stage")),
             "steps": {s: step_summary(out / f"step{s}") for s in (1, 2, 3)}, "logs": str(out / "logs")}
 
 

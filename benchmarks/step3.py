@@ -48,11 +48,15 @@ MODES = {
     # on the GPU, --offload_ratio of the optimizer states go to host memory (DeepSpeedCPUAdam)
     "ours fast, optimizer offloaded": ["--enable_hybrid_engine", "--offload", "--offload_optimizer_only"],
     # LoRA (rank 128) on the actor's linears, base weights frozen; the critic trains in full
+    # the same with page-locked host buffers for the offloaded state
+    "ours fast, optimizer offloaded, pinned": ["--enable_hybrid_engine", "--offload", "--offload_optimizer_only",
+                                               "--offload_pin_memory"],
     # the same without the hybrid engine (generation through DeepSpeed's ZeRO-3 hooks)
     "hybrid off, optimizer offloaded": ["--offload", "--offload_optimizer_only"],
     "ours fast, LoRA": ["--enable_hybrid_engine", "--actor_lora_dim", "128", "--only_optimize_lora"],
 }
-OFFLOADED = ("ours fast, optimizer offloaded", "hybrid off, optimizer offloaded")
+OFFLOADED = ("ours fast, optimizer offloaded", "ours fast, optimizer offloaded, pinned",
+             "hybrid off, optimizer offloaded")
 MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"}}
 
 

@@ -79,6 +79,37 @@ def test_step3_benchmark_runs_and_a_rerun_counts_only_its_own_steps(tmp_path):
     assert (tmp_path / "work" / "tiny-bloom" / "actor" / "config.json").exists()
 
 
+def test_step3_benchmark_offloaded_and_lora_modes(tmp_path):
+    """The modes of the 7B-on-one-GPU table at a tiny shape: the optimizer state offloaded
+    (DeepSpeed's partial offload at --offload_ratio, the parameters kept where they are)
+    and LoRA; both train, and the offload settings reach DeepSpeed's config."""
+    out = tmp_path / "step3.md"
+    run_python(REPO / "benchmarks" / "step3.py",
+               ["--preset", "tiny-bloom", "--modes", "ours fast, optimizer offloaded", "ours fast, LoRA",
+                "--offload_ratio", "0.5", "--steps", "2", "--warmup", "0", "--batch", "2", "--prompt_len", "16",
+                "--answer_len", "8", "--dtype", "fp32", "--workdir", tmp_path / "work", "--out", out], timeout=600)
+    text = out.read_text()
+    for mode in ("ours fast, optimizer offloaded", "ours fast, LoRA"):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {mode} |"))
+        assert [c.strip() for c in row.strip("|").split("|")][-2:] == ["2", "0"], row
+    config = json.loads((tmp_path / "work" / "tiny-bloom" / "ours_fast,_optimizer_offloaded" /
+                         "training_config.json").read_text())
+    zero = json.dumps(config)
+    assert '"offload_optimizer": {"device": "cpu", "ratio": 0.5}' in zero, zero[:2000]
+    assert not (tmp_path / "work" / "tiny-bloom" / "ours_fast,_LoRA" / "actor").exists()   # --skip_final_save
+
+
+def test_presets_run_takes_a_preset_through_three_steps(tmp_path):
+    """presets_run.py on the CPU row of the demo preset: every step runs and reports."""
+    out = tmp_path / "presets.md"
+    run_python(REPO / "benchmarks" / "presets_run.py",
+               ["--presets", "demo", "--deployment-type", "cpu", "--steps", "1", "--workdir", tmp_path / "work",
+                "--out", out], timeout=600)
+    row = next(line for line in out.read_text().splitlines() if line.startswith("| demo |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[-1] == "ok" and all(c != "-" for c in cells[2:5]), row
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
 @pytest.mark.parametrize("script,stem,tol", [("attn_bench.py", "attn", 1e-2), ("linear_bench.py", "linear", 3e-2)])
 def test_kernel_sweeps_run_in_the_triton_interpreter(tmp_path, script, stem, tol):

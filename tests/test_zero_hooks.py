@@ -68,6 +68,10 @@ def test_offload_knobs_in_the_deepspeed_config():
     assert partial["offload_optimizer"] == {"device": "cpu", "ratio": 0.6}
     assert partial["offload_param"] == {"device": "none"}
     assert zero()["offload_optimizer"] == {"device": "none"} and zero()["offload_param"] == {"device": "none"}
+    pinned = zero(offload=True, offload_params=False, offload_pin_memory=True)
+    assert pinned["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert pinned["offload_param"] == {"device": "none"}
+    assert zero(offload=True, offload_pin_memory=True)["offload_param"] == {"device": "cpu", "pin_memory": True}
     stage2 = train_ds_config(zero_stage=2, dtype="bf16", micro_batch_size=1, offload=True)["zero_optimization"]
     assert stage2["offload_param"] == {"device": "none"} and stage2["offload_optimizer"] == {"device": "cpu"}
 

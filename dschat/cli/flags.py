@@ -102,6 +102,9 @@ def add_offload_args(g, offload_help: str) -> None:
                         "the CPU (DeepSpeed's partial offload, in sub-groups of 1e9 parameters); the rest "
                         "stays on the GPU. Below 1 the parameters stay on the GPU. For a model whose 16 "
                         "bytes/param of training state fit neither the GPU nor the host alone.")
+    g.add_argument("--offload_pin_memory", action="store_true",
+                   help="With --offload: page-locked host buffers for the offloaded state (faster copies "
+                        "to and from the GPU; the host memory they take cannot be swapped).")
 
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:

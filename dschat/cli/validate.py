@@ -103,8 +103,9 @@ def _offload_knobs(args, trained_stages) -> list[str]:
     elif ratio < 1 and (not args.offload or 3 not in trained_stages or any(s in (1, 2) for s in trained_stages)):
         out.append("--offload_ratio below 1 is DeepSpeed's partial offload: it needs --offload and ZeRO stage 3 "
                    "for every trained model that offloads")
-    if args.offload_optimizer_only and not args.offload:
-        out.append("--offload_optimizer_only needs --offload")
+    for flag in ("offload_optimizer_only", "offload_pin_memory"):
+        if getattr(args, flag) and not args.offload:
+            out.append(f"--{flag} needs --offload")
     return out
 
 

@@ -23,16 +23,19 @@ def _precision_section(dtype: str) -> dict:
 
 def _zero_section(stage: int, offload: bool, *, persistence_threshold: float,
                   max_live_parameters: float, prefetch_bucket_size: float,
-                  offload_params: bool = True, offload_ratio: float = 1.0) -> dict:
+                  offload_params: bool = True, offload_ratio: float = 1.0, pin_memory: bool = False) -> dict:
     device = "cpu" if offload else "none"
     optimizer = {"device": device}
+    if offload and pin_memory:
+        optimizer["pin_memory"] = True
     if offload and offload_ratio < 1.0:
         # DeepSpeed's partial offload (ZeRO-3): this share of the optimizer's sub-groups on
         # the CPU (DeepSpeedCPUAdam), the rest updated on the GPU
         optimizer["ratio"] = offload_ratio
     zero = {
         "stage": stage,
-        "offload_param": {"device": device if offload_params and offload_ratio == 1.0 else "none"},
+        "offload_param": ({"device": "cpu", "pin_memory": True} if offload and pin_memory else {"device": "cpu"})
+        if offload and offload_params and offload_ratio == 1.0 else {"device": "none"},
         "offload_optimizer": optimizer,
         "stage3_param_persistence_threshold": persistence_threshold,
         "stage3_max_live_parameters": max_live_parameters,
@@ -46,7 +49,7 @@ def _zero_section(stage: int, offload: bool, *, persistence_threshold: float,
 
 def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
                     gradient_accumulation_steps: int = 1, offload: bool = False,
-                    offload_params: bool = True, offload_ratio: float = 1.0,
+                    offload_params: bool = True, offload_ratio: float = 1.0, offload_pin_memory: bool = False,
                     gradient_clipping: float = 1.0, persistence_threshold: float = 1e4,
                     max_live_parameters: float = 3e7, prefetch_bucket_size: float = 3e7,
                     enable_tensorboard: bool = False, tensorboard_path: str = "",
@@ -59,7 +62,7 @@ def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
         "zero_optimization": _zero_section(
             zero_stage, offload, persistence_threshold=persistence_threshold,
             max_live_parameters=max_live_parameters, prefetch_bucket_size=prefetch_bucket_size,
-            offload_params=offload_params, offload_ratio=offload_ratio),
+            offload_params=offload_params, offload_ratio=offload_ratio, pin_memory=offload_pin_memory),
         "gradient_clipping": gradient_clipping,
         "prescale_gradients": False,
         "wall_clock_breakdown": False,
@@ -77,7 +80,8 @@ def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
 def offload_options(args) -> dict:
     """train_ds_config's offload keywords from the flags of add_offload_args (every step)."""
     return {"offload": bool(args.offload), "offload_params": not getattr(args, "offload_optimizer_only", False),
-            "offload_ratio": float(getattr(args, "offload_ratio", 1.0))}
+            "offload_ratio": float(getattr(args, "offload_ratio", 1.0)),
+            "offload_pin_memory": bool(getattr(args, "offload_pin_memory", False))}
 
 
 def eval_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int = 1,
