@@ -2,6 +2,8 @@
 # One run of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
 # on the GPU machine with the wheels of benchmarks/GPU_SETUP.md in .whl/:
 #   bash benchmarks/device_run.sh gen|check|step3|step3modes|step3big|presets|step3fam|decode|profile7b|start|trl OUT_DIR
+# largest: the largest actors step 3 trains on one GPU: OPT-13B (LoRA) with an OPT-350m critic,
+#   LLaMA-7B (full fine-tuning with 60% of the optimizer on the host; LoRA) with a TinyLlama critic
 # presets: every one-GPU preset through steps 1-3, 5 steps each (presets_run.py)
 # check: the CUDA tests (kernels against their references, graph replay against HF, refill,
 #   phase peaks), then generation at bloom-560m and bloom-7b1 B16: HF, HF static cache, ours
@@ -41,6 +43,12 @@ elif [ "$what" = step3big ]; then
   python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 20 --warmup 3 \
     --hybrid_off_steps 3 --offload_ratio 0.6 --modes "ours fast, optimizer offloaded" "ours fast, LoRA" \
     "hybrid off, optimizer offloaded" --out "$out/step3_7b1.md" 2>&1 | grep -v -i warn
+elif [ "$what" = largest ]; then
+  python3 benchmarks/step3.py --preset opt-13b --critic_preset opt-350m --batch 8 --steps 6 --warmup 2 \
+    --modes "ours fast, LoRA" --out "$out/step3_largest.md" 2>&1 | grep -v -i warn
+  python3 benchmarks/step3.py --preset llama-7b --critic_preset tinyllama-1.1b --batch 8 --steps 10 --warmup 3 \
+    --offload_ratio 0.6 --modes "ours fast, optimizer offloaded" "ours fast, optimizer offloaded, pinned" \
+    "ours fast, LoRA" --out "$out/step3_largest.md" 2>&1 | grep -v -i warn
 elif [ "$what" = presets ]; then
   python3 benchmarks/presets_run.py --deployment-type single_gpu --steps 5 --timeout 900 \
     --out "$out/presets.md" 2>&1 | grep -v -i warn
