@@ -164,6 +164,27 @@ def test_unsharded_frozen_models_score_like_zero3_ones(sft_and_rm, tmp_path):
     assert not list((whole / "profile").glob("*.pickle"))
 
 
+def test_lora_actor_reference_is_its_base_with_adapters_off(sft_and_rm, tmp_path):
+    """A LoRA actor with frozen base weights scores its reference with the adapters switched
+    off (no second copy of the weights): the same answers, KL, rewards and losses as a
+    reference model of its own, and the KL moves once the adapters train."""
+    shared, separate = tmp_path / "shared", tmp_path / "separate"
+    lora = ["--enable_hybrid_engine", "--actor_lora_dim", "4", "--only_optimize_lora",
+            "--actor_lora_learning_rate", "3e-2"]
+    proc = run_deepspeed(STEP3, step3_args(sft_and_rm, shared, 3, lora))
+    run_deepspeed(STEP3, step3_args(sft_and_rm, separate, 3, lora + ["--separate_lora_reference"]))
+    assert "LoRA adapters switched off" in proc.stdout + proc.stderr
+    key = lambda r: (r["step"], r["rank"], r["prompt"])  # noqa: E731
+    assert {key(r): r["answer"] for r in dumped(shared)} == {key(r): r["answer"] for r in dumped(separate)}
+    a, b = read_metrics(shared / "metrics.jsonl"), read_metrics(separate / "metrics.jsonl")
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b):
+        for k in ("ppo/reward_mean", "ppo/kl", "ppo/actor_loss", "ppo/critic_loss"):
+            assert abs(ra[k] - rb[k]) <= 1e-5 * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
+        assert ra["zero/params_left_gathered"] == 0
+    assert abs(a[0]["ppo/kl"]) < 1e-6 < abs(a[-1]["ppo/kl"])       # LoRA B starts at 0: the actor is its base
+
+
 def test_bf16_actor_and_critic_at_zero3(sft_and_rm, tmp_path):
     # upstream cannot build its critic here: fp32 value head beside a bf16 backbone
     run_deepspeed(STEP3, step3_args(sft_and_rm, tmp_path, 2, ["--enable_hybrid_engine", "--dtype", "bf16"]))

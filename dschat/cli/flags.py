@@ -282,6 +282,10 @@ def add_step3_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload_reward_model", action="store_true", help="Offload the reward model.")
     g.add_argument("--actor_zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="Actor ZeRO stage.")
     g.add_argument("--critic_zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="Critic ZeRO stage.")
+    g.add_argument("--separate_lora_reference", action="store_true",
+                   help="With a LoRA actor whose base weights are frozen (--actor_lora_dim, "
+                        "--only_optimize_lora) build the reference as a model of its own. Default: the "
+                        "reference is the actor with its adapters switched off (the same weights, held once).")
     g.add_argument("--reference_zero_stage", type=int, default=None, choices=(0, 3),
                    help="ZeRO stage of the frozen reference (and EMA) model. Default: 3 when "
                         "--actor_zero_stage is 3, else 0 (upstream's rule). 0 keeps a whole copy on "

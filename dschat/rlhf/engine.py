@@ -61,6 +61,32 @@ def ppo_optimizer_steps(ppo_steps: int, *, generation_batches: int, generation_b
     return max(micro // gradient_accumulation_steps, 1)
 
 
+def shares_lora_base(args) -> bool:
+    """The reference is the actor's own base weights: a LoRA actor whose base is frozen
+    (--only_optimize_lora), unless --separate_lora_reference or a reference placement flag
+    asks for a model of its own."""
+    return (args.actor_lora_dim > 0 and args.only_optimize_lora and not args.separate_lora_reference
+            and args.reference_zero_stage is None and not args.offload_reference_model)
+
+
+class LoRABaseReference:
+    """The reference model of a LoRA actor with frozen base weights: the actor engine run
+    with its adapters switched off (peft's `disable_adapter`), so the base weights are held
+    once instead of twice (TRL and OpenRLHF do the same). Stands in for a DeepSpeed engine
+    in the scoring forward (`__call__`, `.module`); its train / eval mode is the actor's."""
+
+    def __init__(self, actor_engine):
+        self.actor = actor_engine
+        self.module = actor_engine.module
+
+    def __call__(self, **kwargs):
+        with self.module.disable_adapter():
+            return self.actor(**kwargs)
+
+    def eval(self):
+        return self
+
+
 def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) -> RLHFEngines:
     from dschat.rlhf.algorithm import uses_critic, uses_reference, uses_reward_model
     from dschat.rollout.hybrid import HybridActor
@@ -91,7 +117,11 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     ref_cfg = eval_ds_config(zero_stage=frozen_stage(args.reference_zero_stage, args.actor_zero_stage),
                              dtype=args.dtype, offload=args.offload_reference_model)
     ref_engine = None
-    if uses_reference(args):
+    if uses_reference(args) and shares_lora_base(args):
+        ref_engine = LoRABaseReference(actor_engine)
+        print_rank_0("reference model: the actor's frozen base weights with its LoRA adapters switched off "
+                     "(one copy of the weights; --separate_lora_reference builds its own)")
+    elif uses_reference(args):
         ref = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
         ref_engine = initialize_engine(ref, ref_cfg, hooks)
         ref_engine.eval()  # frozen models never run dropout

@@ -502,7 +502,8 @@ class PPOTrainer:
         any rank (should be 0; a collective)."""
         from dschat.engine.zero import params_left_gathered
         engines = [self.e.actor, self.e.ref, self.e.critic, self.e.reward, self.e.ema]
-        here = sum(len(params_left_gathered(e.module)) for e in engines if e is not None)
+        modules = {id(e.module): e.module for e in engines if e is not None}   # a LoRA-base reference is the actor's
+        here = sum(len(params_left_gathered(m)) for m in modules.values())
         return int(dist.all_reduce_max(torch.tensor(float(here), device=self.e.actor.device)).item())
 
     def rollout_metrics(self, exp: Experience) -> dict:
