@@ -20,6 +20,7 @@ from dschat.models.lora import apply_lora
 from dschat.models.model_utils import create_hf_model
 from dschat.models.reward_model import create_reward_model, load_reward_model
 from dschat.rlhf.ppo_math import ema_update_
+from dschat.utils import dist
 from dschat.utils.logging import print_rank_0
 
 
@@ -101,6 +102,11 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
         gradient_accumulation_steps=args.gradient_accumulation_steps)
 
     hooks = args.zero3_hook_granularity
+    if dist.get_world_size() == 1 and 3 in (args.actor_zero_stage, args.critic_zero_stage) and not args.offload:
+        # measured at bloom-560m on one H200 (benchmarks/RESULTS.md, table 3): 22% of the step, more memory
+        print_rank_0("note: ZeRO-3 on one GPU partitions nothing and costs about a fifth of a PPO step in "
+                     "hooks and fetches; --actor_zero_stage 2 --critic_zero_stage 2 (or 0) train the same "
+                     "models faster in less memory unless parameters are offloaded")
     # actor
     actor = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=actor_cfg,
                             dropout=args.actor_dropout, seed=args.seed)
