@@ -51,10 +51,10 @@ def check_scoring(rec):
     assert max(rec["reward_repeat"]) == 0.0, rec["reward_repeat"]
 
 
-def check_first_micro(rec, bound):
-    assert rec["first_micro"], rec
+def check_first_micro(rec, bound, tag=""):
+    assert rec["first_micro"], (tag, rec)
     for first in rec["first_micro"]:
-        assert first["log_ratio"] <= bound and first["clip_frac"] == 0.0, rec["first_micro"]
+        assert first["log_ratio"] <= bound and first["clip_frac"] == 0.0, (tag, rec["first_micro"])
 
 
 def test_models_in_eval_while_scoring_and_ratio_one_at_first_micro_step(models, tmp_path):
@@ -74,7 +74,7 @@ def test_models_in_eval_while_scoring_and_ratio_one_at_first_micro_step(models, 
     for name, recs in results.items():
         for rec in recs:
             check_scoring(rec)
-            check_first_micro(rec, 1e-5)
+            check_first_micro(rec, 1e-5, name)
             assert rec["kl_end"] and rec["kl_end"] == rec["score_end"], (name, rec["kl_end"], rec["score_end"])
 
 

@@ -71,6 +71,7 @@ from dschat.rollout.gather import (
 from dschat.utils import dist
 from dschat.utils.errors import UserInputError
 from dschat.utils.logging import get_logger, is_rank_0
+from dschat.utils.tensor_ops import positions_from_mask
 
 logger = get_logger(__name__)
 
@@ -627,7 +628,9 @@ class TPInference:
         mask[:B, :S] = attention_mask.to(dev).long()
         mask[B:, 0] = 1
         ids, mask = torch.cat(g.all_gather(ids)), torch.cat(g.all_gather(mask))
-        pos = blk.prompt_positions(mask)
+        # the training forward's positions (HF generate's: masked slots at 1), not the prompt's
+        # own rule: a masked slot inside an answer predicts the next token in both passes
+        pos = None if blk.prompt_positions(mask) is None else positions_from_mask(mask)
         if pos is not None and position_ids is not None:   # the caller's positions for its own rows
             own = pos[g.rank * Bm:(g.rank + 1) * Bm].clone()
             own[:B, :S] = position_ids.to(dev)
