@@ -135,6 +135,21 @@ def test_other_families_hybrid_engine_on_and_off_agree(tmp_path, actor_family, c
     assert saved.config.model_type == actor_family
 
 
+def assert_same_run(a_dir, b_dir, steps: int = 3) -> list[dict]:
+    """Two step-3 runs of `steps` PPO steps sampled the same answers (every step, rank and
+    prompt) and logged the same reward, KL and losses within 1e-5, with no parameter left
+    gathered in either; returns the first run's metrics rows."""
+    key = lambda r: (r["step"], r["rank"], r["prompt"])  # noqa: E731
+    assert {key(r): r["answer"] for r in dumped(a_dir)} == {key(r): r["answer"] for r in dumped(b_dir)}
+    a, b = read_metrics(a_dir / "metrics.jsonl"), read_metrics(b_dir / "metrics.jsonl")
+    assert len(a) == len(b) == steps
+    for ra, rb in zip(a, b):
+        for k in ("ppo/reward_mean", "ppo/kl", "ppo/actor_loss", "ppo/critic_loss"):
+            assert abs(ra[k] - rb[k]) <= 1e-5 * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
+        assert ra["zero/params_left_gathered"] == 0 and rb["zero/params_left_gathered"] == 0
+    return a
+
+
 def test_unsharded_frozen_models_score_like_zero3_ones(sft_and_rm, tmp_path):
     """--reference_zero_stage 0 / --reward_zero_stage 0 under an actor and critic at ZeRO-3:
     the same answers, rewards, KL and losses as the default (frozen models at ZeRO-3)."""
@@ -143,14 +158,7 @@ def test_unsharded_frozen_models_score_like_zero3_ones(sft_and_rm, tmp_path):
     proc = run_deepspeed(STEP3, step3_args(sft_and_rm, whole, 3, ["--enable_hybrid_engine", "--reference_zero_stage",
                                                                    "0", "--reward_zero_stage", "0", "--enable_ema",
                                                                    "--profile_step", "2"]))
-    key = lambda r: (r["step"], r["rank"], r["prompt"])  # noqa: E731
-    assert {key(r): r["answer"] for r in dumped(sharded)} == {key(r): r["answer"] for r in dumped(whole)}
-    a, b = read_metrics(sharded / "metrics.jsonl"), read_metrics(whole / "metrics.jsonl")
-    assert len(a) == len(b) == 3
-    for ra, rb in zip(a, b):
-        for k in ("ppo/reward_mean", "ppo/kl", "ppo/actor_loss", "ppo/critic_loss"):
-            assert abs(ra[k] - rb[k]) <= 1e-5 * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
-        assert rb["zero/params_left_gathered"] == 0
+    assert_same_run(sharded, whole)
     assert (whole / "actor_ema" / "model.safetensors").exists()   # the EMA follows the reference's stage
     # --profile_step 2: rank 0's table names the step's phases, and a trace beside it
     table = (whole / "profile" / "step_2.txt").read_text()
@@ -174,14 +182,7 @@ def test_lora_actor_reference_is_its_base_with_adapters_off(sft_and_rm, tmp_path
     proc = run_deepspeed(STEP3, step3_args(sft_and_rm, shared, 3, lora))
     run_deepspeed(STEP3, step3_args(sft_and_rm, separate, 3, lora + ["--separate_lora_reference"]))
     assert "LoRA adapters switched off" in proc.stdout + proc.stderr
-    key = lambda r: (r["step"], r["rank"], r["prompt"])  # noqa: E731
-    assert {key(r): r["answer"] for r in dumped(shared)} == {key(r): r["answer"] for r in dumped(separate)}
-    a, b = read_metrics(shared / "metrics.jsonl"), read_metrics(separate / "metrics.jsonl")
-    assert len(a) == len(b) == 3
-    for ra, rb in zip(a, b):
-        for k in ("ppo/reward_mean", "ppo/kl", "ppo/actor_loss", "ppo/critic_loss"):
-            assert abs(ra[k] - rb[k]) <= 1e-5 * max(1.0, abs(ra[k])), (k, ra[k], rb[k])
-        assert ra["zero/params_left_gathered"] == 0
+    a = assert_same_run(shared, separate)
     assert abs(a[0]["ppo/kl"]) < 1e-6 < abs(a[-1]["ppo/kl"])       # LoRA B starts at 0: the actor is its base
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
+from dschat.rlhf.algorithm import shares_lora_base
 from dschat.utils.errors import UserInputError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,13 +187,6 @@ def lora_params(preset: dict, rank: int) -> float:
     return preset.get("lora_params_million_per_rank", 0.0) * rank / 1000.0
 
 
-def shares_lora_base(flags: dict) -> bool:
-    """Step 3 reads the reference from the LoRA actor's frozen base (dschat.rlhf.engine.shares_lora_base)."""
-    return (flags.get("actor_lora_dim", 0) > 0 and bool(flags.get("only_optimize_lora"))
-            and not flags.get("separate_lora_reference") and flags.get("reference_zero_stage") is None
-            and not flags.get("offload_reference_model"))
-
-
 def step_memory_gb(step: int, flags: dict, actor: dict, critic: dict, gpus: int) -> dict:
     """Per-GPU GB of model states in one step, from its final flags and the two presets."""
     a_b, c_b = actor.get("params_billion", 0.0), critic.get("params_billion", 0.0)
@@ -209,7 +204,7 @@ def step_memory_gb(step: int, flags: dict, actor: dict, critic: dict, gpus: int)
                                  lora_params_b=(lora_params(critic, flags.get("critic_lora_dim", 0))
                                                 if only_lora else 0)),
         # a LoRA actor with a frozen base is its own reference (adapters off): no copy
-        "reference": 0.0 if shares_lora_base(flags) else model_state_gb(
+        "reference": 0.0 if shares_lora_base(SimpleNamespace(**flags)) else model_state_gb(
             a_b, frozen(a_stage), gpus, trained=False, offload=bool(flags.get("offload_reference_model"))),
         "reward": model_state_gb(c_b, frozen(c_stage), gpus, trained=False,
                                  offload=bool(flags.get("offload_reward_model"))),

@@ -24,26 +24,27 @@ def _precision_section(dtype: str) -> dict:
 def _zero_section(stage: int, offload: bool, *, persistence_threshold: float,
                   max_live_parameters: float, prefetch_bucket_size: float,
                   offload_params: bool = True, offload_ratio: float = 1.0, pin_memory: bool = False) -> dict:
-    device = "cpu" if offload else "none"
-    optimizer = {"device": device}
+    optimizer = {"device": "cpu" if offload else "none"}
     if offload and pin_memory:
         optimizer["pin_memory"] = True
     if offload and offload_ratio < 1.0:
         # DeepSpeed's partial offload (ZeRO-3): this share of the optimizer's sub-groups on
         # the CPU (DeepSpeedCPUAdam), the rest updated on the GPU
         optimizer["ratio"] = offload_ratio
+    # parameter offload exists only at stage 3, and not beside a partial optimizer offload
+    params_offloaded = offload and offload_params and offload_ratio == 1.0 and stage == 3
+    param = {"device": "cpu" if params_offloaded else "none"}
+    if params_offloaded and pin_memory:
+        param["pin_memory"] = True
     zero = {
         "stage": stage,
-        "offload_param": ({"device": "cpu", "pin_memory": True} if offload and pin_memory else {"device": "cpu"})
-        if offload and offload_params and offload_ratio == 1.0 else {"device": "none"},
+        "offload_param": param,
         "offload_optimizer": optimizer,
         "stage3_param_persistence_threshold": persistence_threshold,
         "stage3_max_live_parameters": max_live_parameters,
         "stage3_prefetch_bucket_size": prefetch_bucket_size,
         "memory_efficient_linear": False,
     }
-    if stage < 3:  # parameter offload exists only at stage 3
-        zero["offload_param"] = {"device": "none"}
     return zero
 
 

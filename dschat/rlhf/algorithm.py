@@ -27,6 +27,17 @@ def uses_reference(args) -> bool:
     return args.kl_ctl > 0
 
 
+def shares_lora_base(args) -> bool:
+    """The reference is the actor's own base weights: a LoRA actor whose base is frozen
+    (--only_optimize_lora), unless --separate_lora_reference or a reference placement flag
+    asks for a model of its own. Flags missing from `args` take step 3's defaults (the
+    presets' memory estimate passes only the flags a preset sets)."""
+    return (getattr(args, "actor_lora_dim", 0) > 0 and bool(getattr(args, "only_optimize_lora", False))
+            and not getattr(args, "separate_lora_reference", False)
+            and getattr(args, "reference_zero_stage", None) is None
+            and not getattr(args, "offload_reference_model", False))
+
+
 def reward_fn_specs(args) -> list[str]:
     """--reward_fn values, repeatable and comma-separated, in order."""
     return [s.strip() for value in (args.reward_fn or []) for s in value.split(",") if s.strip()]

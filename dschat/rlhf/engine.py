@@ -62,14 +62,6 @@ def ppo_optimizer_steps(ppo_steps: int, *, generation_batches: int, generation_b
     return max(micro // gradient_accumulation_steps, 1)
 
 
-def shares_lora_base(args) -> bool:
-    """The reference is the actor's own base weights: a LoRA actor whose base is frozen
-    (--only_optimize_lora), unless --separate_lora_reference or a reference placement flag
-    asks for a model of its own."""
-    return (args.actor_lora_dim > 0 and args.only_optimize_lora and not args.separate_lora_reference
-            and args.reference_zero_stage is None and not args.offload_reference_model)
-
-
 class LoRABaseReference:
     """The reference model of a LoRA actor with frozen base weights: the actor engine run
     with its adapters switched off (peft's `disable_adapter`), so the base weights are held
@@ -89,7 +81,7 @@ class LoRABaseReference:
 
 
 def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) -> RLHFEngines:
-    from dschat.rlhf.algorithm import uses_critic, uses_reference, uses_reward_model
+    from dschat.rlhf.algorithm import shares_lora_base, uses_critic, uses_reference, uses_reward_model
     from dschat.rollout.hybrid import HybridActor
 
     actor_cfg = train_ds_config(

@@ -326,8 +326,7 @@ def train_step3(args) -> None:
 
     if not args.skip_final_save:
         ckpt.save_final(write_models, save, args.output_dir)
+        print_rank_0(f"saved actor/{' and critic/' if engines.critic is not None else ''} to {args.output_dir}")
     if get_rank() == 0:
         save_json(run_config, os.path.join(args.output_dir, "training_config.json"))
     metrics.close()
-    if not args.skip_final_save:
-        print_rank_0(f"saved actor/{' and critic/' if engines.critic is not None else ''} to {args.output_dir}")

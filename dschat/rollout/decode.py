@@ -55,7 +55,7 @@ from dschat.utils.tensor_ops import positions_from_mask
 logger = get_logger(__name__)
 
 _BLOCKS: dict[str, type] = {}
-LENGTH_BUCKET = 64
+LENGTH_BUCKET = 64      # attention spans the filled cache rounded up to this many slots
 # SDPA backends allowed for the decode step's attention (None: PyTorch's own choice, cuDNN
 # on Hopper, whose seeded sampling did not reproduce through captured graphs; the
 # memory-efficient kernel reproduces; docs/DECODE.md, section 4).
@@ -86,7 +86,7 @@ def fast_decode_unsupported_reason(model, *, max_total_len: Optional[int] = None
         fam = family_of(model)
     except UnknownModelTypeError:
         return f"model_type {config.model_type!r} is not in the registry"
-    if fam.fast_decode is None or fam.fast_decode not in _BLOCKS:
+    if not fast_decode_supported_block(fam):
         return f"model_type {config.model_type!r} has no fast decode block"
     blocks = resolve(model, fam.blocks)
     if blocks is None or len(blocks) == 0:
@@ -233,6 +233,12 @@ class TPShard:
     vocab_hi: int
     vocab_parallel: bool = True
 
+    def pad_vocab_slice(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab-slice logits padded to ceil(V / size) columns: every rank's
+        slice then has one shape for the group's gather (the last rank's may be short)."""
+        chunk = -(-self.vocab // self.group.size)
+        return F.pad(local, (0, chunk - local.shape[-1])) if local.shape[-1] < chunk else local
+
 
 class _DecodeBlock:
     """Per-family decode math over the replica's own tensors (held as references).
@@ -300,9 +306,7 @@ class _DecodeBlock:
         local = F.linear(h, self.head)
         if not tp.vocab_parallel or tp.group.size == 1:
             return local
-        chunk = -(-tp.vocab // tp.group.size)
-        if local.shape[-1] < chunk:
-            local = F.pad(local, (0, chunk - local.shape[-1]))
+        local = tp.pad_vocab_slice(local)
         return torch.cat(tp.group.all_gather(local.contiguous()), dim=-1)[..., :tp.vocab]
 
     def tp_sum(self, partial):

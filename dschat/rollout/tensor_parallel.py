@@ -56,7 +56,13 @@ import torch.nn.functional as F
 
 from dschat.registry import REGISTRY, family_of, head_is_tied, resolve, tp_head_counts, unwrap_peft
 from dschat.rollout import kernels
-from dschat.rollout.decode import TPShard, build_block, fast_decode_supported_block, fast_decode_unsupported_reason
+from dschat.rollout.decode import (
+    LENGTH_BUCKET,
+    TPShard,
+    build_block,
+    fast_decode_supported_block,
+    fast_decode_unsupported_reason,
+)
 from dschat.rollout.gather import (
     GatherPlan,
     GatherScheduler,
@@ -451,8 +457,6 @@ class TPReplica:
 
 # -------------------------------------------------------------------- decoding
 
-LENGTH_BUCKET = 64      # attention spans the filled cache rounded up to this many slots
-
 
 class TPInference:
     """A TP group's replica slice, decoded by the family's own fast-decode block
@@ -644,10 +648,7 @@ class TPInference:
         """Full-vocab logits of this rank's `Bm` rows: each rank's vocab slice of rank r's
         rows is gathered on rank r only ([Bm, S, V] per rank, not the group's [N, S, V])."""
         g, rep = self.group, self.replica
-        local = F.linear(h, self.block.head)
-        chunk = -(-rep.vocab // g.size)
-        if local.shape[-1] < chunk:
-            local = F.pad(local, (0, chunk - local.shape[-1]))
+        local = self.block.tp.pad_vocab_slice(F.linear(h, self.block.head))
         mine = None
         for r in range(g.size):
             part = local[r * Bm:(r + 1) * Bm].contiguous()
