@@ -3,8 +3,9 @@
 # on the GPU machine with the wheels of benchmarks/GPU_SETUP.md in .whl/:
 #   bash benchmarks/device_run.sh gen|check|step3|step3modes|step3big|presets|step3fam|decode|profile7b|start|trl OUT_DIR
 # largest: the largest actors step 3 trains on one GPU: OPT-13B (LoRA) with an OPT-350m critic,
-#   LLaMA-7B (full fine-tuning with 60% of the optimizer on the host; LoRA) with a TinyLlama critic
-# presets: every one-GPU preset through steps 1-3, 5 steps each (presets_run.py)
+#   LLaMA-7B (LoRA; full fine-tuning with 60% of the optimizer on the host, left out with
+#   LARGEST_FULL=0 on 80 GB cards) with a TinyLlama critic
+# presets: every one-GPU preset through steps 1-3, 5 steps each, smallest first (presets_run.py)
 # check: the CUDA tests (kernels against their references, graph replay against HF, refill,
 #   phase peaks), then generation at bloom-560m and bloom-7b1 B16: HF, HF static cache, ours
 # step3modes: step 3 at bloom-560m in every one-GPU mode (hybrid off, ours fast, checkpointed,
@@ -25,56 +26,62 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 nvidia-smi -L
 if [ "$what" = gen ]; then
-  python3 benchmarks/generation.py --models bloom-560m --batch 16 --layered --out "$out/gen" 2>&1 | grep -v -i warn
-  python3 benchmarks/generation.py --models bloom-560m --batch 1 64 --modes hf unwrap generic fast --out "$out/gen" 2>&1 | grep -v -i warn
-  python3 benchmarks/generation.py --models bloom-7b1 --batch 1 16 64 --repeats 3 --hf_busy --out "$out/gen" 2>&1 | grep -v -i warn
-  python3 benchmarks/generation.py --models bloom-1b7 opt-1.3b llama-7b --batch 16 --modes hf unwrap generic fast --out "$out/gen" 2>&1 | grep -v -i warn
+  python3 benchmarks/generation.py --models bloom-560m --batch 16 --layered --out "$out/gen" 2>&1 | grep --line-buffered -v -i warn
+  python3 benchmarks/generation.py --models bloom-560m --batch 1 64 --modes hf unwrap generic fast --out "$out/gen" 2>&1 | grep --line-buffered -v -i warn
+  python3 benchmarks/generation.py --models bloom-7b1 --batch 1 16 64 --repeats 3 --hf_busy --out "$out/gen" 2>&1 | grep --line-buffered -v -i warn
+  python3 benchmarks/generation.py --models bloom-1b7 opt-1.3b llama-7b --batch 16 --modes hf unwrap generic fast --out "$out/gen" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = check ]; then
   # the per-candidate kernel reference check compiles every launch candidate: minutes
   python3 -m pytest -v -p no:cacheprovider --timeout 240 tests/test_decode.py tests/test_hybrid.py \
-    tests/test_phases.py -k "cuda or triton" 2>&1 | grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout|passed|failed"
+    tests/test_phases.py -k "cuda or triton" 2>&1 | grep --line-buffered -E "PASSED|FAILED|SKIPPED|ERROR|Timeout|passed|failed"
   python3 benchmarks/generation.py --models bloom-560m bloom-7b1 --batch 16 --modes hf hf_static fast \
-    --out "$out/gen" 2>&1 | grep -v -i warn
+    --out "$out/gen" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = step3modes ]; then
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast" \
     "ours fast, checkpointed" "ours fast, ZeRO-2" "ours fast, ZeRO-0" "hybrid off" \
-    --out "$out/step3_modes.md" 2>&1 | grep -v -i warn
+    --out "$out/step3_modes.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = step3big ]; then
   python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 20 --warmup 3 \
     --hybrid_off_steps 3 --offload_ratio 0.6 --modes "ours fast, optimizer offloaded" "ours fast, LoRA" \
-    "hybrid off, optimizer offloaded" --out "$out/step3_7b1.md" 2>&1 | grep -v -i warn
+    "hybrid off, optimizer offloaded" --out "$out/step3_7b1.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = largest ]; then
+  # LoRA rows first (they fit an 80 GB card); LARGEST_FULL=0 leaves out LLaMA-7B full fine-tuning,
+  # whose two 7B copies, replica and TinyLlama critic need more than 80 GB (an H200)
   python3 benchmarks/step3.py --preset opt-13b --critic_preset opt-350m --batch 8 --steps 6 --warmup 2 \
-    --modes "ours fast, LoRA" --out "$out/step3_largest.md" 2>&1 | grep -v -i warn
+    --modes "ours fast, LoRA" --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
   python3 benchmarks/step3.py --preset llama-7b --critic_preset tinyllama-1.1b --batch 8 --steps 10 --warmup 3 \
-    --offload_ratio 0.6 --modes "ours fast, optimizer offloaded" "ours fast, optimizer offloaded, pinned" \
-    "ours fast, LoRA" --out "$out/step3_largest.md" 2>&1 | grep -v -i warn
+    --modes "ours fast, LoRA" --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
+  if [ "${LARGEST_FULL:-1}" = 1 ]; then
+    python3 benchmarks/step3.py --preset llama-7b --critic_preset tinyllama-1.1b --batch 8 --steps 10 --warmup 3 \
+      --offload_ratio 0.6 --modes "ours fast, optimizer offloaded" "ours fast, optimizer offloaded, pinned" \
+      --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
+  fi
 elif [ "$what" = presets ]; then
   python3 benchmarks/presets_run.py --deployment-type single_gpu --steps 5 --timeout 900 \
-    --out "$out/presets.md" 2>&1 | grep -v -i warn
+    --workdir "${PRESETS_WORKDIR:-/tmp/dschat_presets}" --out "$out/presets.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = decode ]; then
-  python3 benchmarks/attn_bench.py --out "$out" 2>&1 | grep -v -i warn
-  python3 benchmarks/linear_bench.py --out "$out" 2>&1 | grep -v -i warn
+  python3 benchmarks/attn_bench.py --out "$out" 2>&1 | grep --line-buffered -v -i warn
+  python3 benchmarks/linear_bench.py --out "$out" 2>&1 | grep --line-buffered -v -i warn
   python3 benchmarks/linear_bench.py --tma --shapes "7b1 qkv" "7b1 dense" "7b1 fc1+gelu" "7b1 fc2" "7b1 head" \
-    --out "$out" 2>&1 | grep -v -i warn
-  python3 benchmarks/decode_bench.py --plan candidates --profile bloom-560m --out "$out" 2>&1 | grep -v -i warn
+    --out "$out" 2>&1 | grep --line-buffered -v -i warn
+  python3 benchmarks/decode_bench.py --plan candidates --profile bloom-560m --out "$out" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = profile7b ]; then
   python3 benchmarks/decode_bench.py --plan bloom-7b1:bf16:16 --numerics fast --profile bloom-7b1 \
-    --profile-steps 256 --out "$out" 2>&1 | grep -v -i warn
-  python3 benchmarks/attn_bench.py --shapes "bloom-7b1 B16" --pos 384 --out "$out" 2>&1 | grep -v -i warn
+    --profile-steps 256 --out "$out" 2>&1 | grep --line-buffered -v -i warn
+  python3 benchmarks/attn_bench.py --shapes "bloom-7b1 B16" --pos 384 --out "$out" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = start ]; then
-  python3 benchmarks/fast_start.py --model bloom-560m --batch 16 --out "$out/fast_start.md" 2>&1 | grep -v -i warn
+  python3 benchmarks/fast_start.py --model bloom-560m --batch 16 --out "$out/fast_start.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = trl ]; then
   : "${MODEL:?set MODEL to a causal-LM folder (SmolLM2-135M-Instruct)}"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/trl/site-packages ${TRL_WHEELS:-.whl-trl}/*.whl || exit 1
   PYTHONPATH=$PYTHONPATH:/tmp/trl/site-packages python3 benchmarks/grpo_vs_trl.py --model "$MODEL" \
-    --out "$out/grpo_vs_trl.md" 2>&1 | grep -v -i warn
+    --out "$out/grpo_vs_trl.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = step3fam ]; then
   for preset in pythia-1.4b tinyllama-1.1b gpt2-xl; do
     python3 benchmarks/step3.py --preset $preset --modes "ours fast" --steps 3 --warmup 1 \
-      --out "$out/step3_families.md" 2>&1 | grep -v -i warn | tail -4
+      --out "$out/step3_families.md" 2>&1 | grep --line-buffered -v -i warn | tail -4
   done
 else
-  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --profile_step 4 --out "$out/step3.md" 2>&1 | grep -v -i warn
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --profile_step 4 --out "$out/step3.md" 2>&1 | grep --line-buffered -v -i warn
 fi

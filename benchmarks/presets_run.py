@@ -8,8 +8,10 @@ runs, beside the preset's own estimate. Random weights at each preset's shape
     python benchmarks/presets_run.py --presets demo --deployment-type cpu --steps 2     # CPU smoke
 
 Each preset runs `applications/e2e_rlhf.py --actor-model P --random-init --step 1 2 3
---stepN-args='--max_steps S'` into <workdir>/<P>; a preset that fails gets its error line
-and log folder in the table and the next one runs.
+--stepN-args='--max_steps S'` into <workdir>/<P>, smallest model first (a run cut short
+keeps the most rows); a preset that fails gets its error line and log folder in the table,
+the tail of its failing step's log on stdout, and the next one runs. The saved weights of
+a finished preset are deleted (--keep-models keeps them): three 7B presets write ~90 GB.
 """
 import argparse
 import json
@@ -32,16 +34,35 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=int, default=1800, help="Seconds per preset (all three steps).")
     p.add_argument("--workdir", default="/tmp/dschat_presets", help="One output folder per preset.")
     p.add_argument("--out", default=None, help="Append the table (markdown) to this file.")
+    p.add_argument("--keep-models", action="store_true",
+                   help="Keep each preset's saved model folders (default: deleted once its row is read).")
     return p.parse_args(argv)
 
 
 def presets_with_row(row: str) -> list[str]:
-    names = []
+    """Presets with a `row` deployment that can be built here, smallest model first."""
+    found = []
     for f in sorted(PRESETS.glob("*.json")):
         preset = json.loads(f.read_text())
         if row in preset.get("deployments", {}) and ("config" in preset or preset["name"] == "demo"):
-            names.append(preset["name"])
-    return names
+            found.append((preset.get("params_billion", 0.0), preset["name"]))
+    return [name for _, name in sorted(found)]
+
+
+def failing_log_tail(out: Path, lines: int = 40) -> str:
+    """The last `lines` lines of the last step log the preset wrote (the failing step's)."""
+    logs = sorted((out / "logs").glob("step*.log"))
+    if not logs:
+        return ""
+    return "\n".join(logs[-1].read_text(errors="replace").splitlines()[-lines:])
+
+
+def drop_saved_models(out: Path) -> None:
+    """Delete the step folders' model weights and checkpoints (the metrics and logs stay)."""
+    for step in ("step1", "step2", "step3"):
+        for sub in (out / step).glob("**/*"):
+            if sub.is_file() and sub.suffix in (".safetensors", ".bin", ".pt"):
+                sub.unlink()
 
 
 def step_summary(folder: Path, warmup: int = 1) -> dict:
@@ -78,10 +99,15 @@ def run_preset(name: str, args) -> dict:
         rc, tail = -1, [f"timed out after {args.timeout} s"]
     preset = json.loads((PRESETS / f"{name}.json").read_text())
     row = preset["deployments"][args.deployment_type]
+    if rc != 0:
+        print(f"--- {name} failed; end of its last step log:\n{failing_log_tail(out)}", flush=True)
+    summary = {s: step_summary(out / f"step{s}") for s in (1, 2, 3)}
+    if not args.keep_models:
+        drop_saved_models(out)
     return {"preset": name, "rc": rc, "error": "" if rc == 0 else tail[0][:200], "wall_s": time.time() - t0,
             "estimate_gb": row.get("estimate_gb", {}),
             "zero": (row.get("actor_zero_stage"), row.get("reward_zero_stage")),
-            "steps": {s: step_summary(out / f"step{s}") for s in (1, 2, 3)}, "logs": str(out / "logs")}
+            "steps": summary, "logs": str(out / "logs")}
 
 
 def table(results: list[dict], args) -> str:

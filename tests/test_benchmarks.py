@@ -108,6 +108,22 @@ def test_presets_run_takes_a_preset_through_three_steps(tmp_path):
     row = next(line for line in out.read_text().splitlines() if line.startswith("| demo |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[-1] == "ok" and all(c != "-" for c in cells[2:5]), row
+    work = tmp_path / "work" / "demo"
+    assert (work / "step3" / "metrics.jsonl").exists() and (work / "step1" / "config.json").exists()
+    assert not list(work.glob("step*/**/*.safetensors"))      # weights dropped once the row is read
+
+
+def test_presets_run_goes_smallest_first():
+    """A GPU run cut short still has the small presets' rows."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import presets_run
+    finally:
+        sys.path.pop(0)
+    names = presets_run.presets_with_row("single_gpu")
+    sizes = [json.loads((REPO / "configs" / "presets" / f"{n}.json").read_text()).get("params_billion", 0.0)
+             for n in names]
+    assert len(names) >= 10 and sizes == sorted(sizes), list(zip(names, sizes))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
