@@ -111,8 +111,14 @@ def test_ptx_rows_once_per_epoch_one_step_per_ppo_step_and_schedule_length(model
                 assert steps["actor_gas"] == 2 * gas
     # the ptx loss's forward, backward and step are phases of their own (time/ptx_*_s)
     check_phases(read_metrics(tmp_path / "gas1" / "metrics.jsonl"), PPO_PHASES + ("ptx_fwd", "ptx_bwd", "ptx_step"))
-    check_phases(read_metrics(tmp_path / "small_gen" / "metrics.jsonl"), PPO_PHASES,
-                 absent=("ptx_fwd", "ptx_bwd", "ptx_step"))
+    small_gen_rows = read_metrics(tmp_path / "small_gen" / "metrics.jsonl")
+    check_phases(small_gen_rows, PPO_PHASES, absent=("ptx_fwd", "ptx_bwd", "ptx_step"))
+    # one row per round of --generation_batches 2: its samples/s counts both rollouts of 2 rows
+    # on 2 ranks over the round's seconds, which hold both rollouts' generation
+    assert len(small_gen_rows) == 2, small_gen_rows
+    for r in small_gen_rows:
+        assert abs(r["ppo/samples_per_s"] * r["time/step_s"] - 2 * 2 * 2) < 1e-6, r
+        assert r["time/generate_s"] + r["time/train_s"] <= r["time/step_s"], r
 
 
 def test_ema_of_a_lora_actor_averages_its_merged_weights(models, tmp_path):

@@ -238,8 +238,11 @@ def train_step3(args) -> None:
         for batch in batches:
             if step >= total_steps:
                 break
-            step_start = time.time()
-            trainer.phases.reset()      # the phases (time/<phase>_s, memory/<phase>_peak_gib) of this step
+            if not buffer:
+                # a PPO round (--generation_batches rollouts, then training) is one metrics row: its
+                # seconds, samples and phases (time/<phase>_s, memory/<phase>_peak_gib) span the round
+                round_start, round_samples, round_timings = time.time(), 0, {}
+                trainer.phases.reset()
             profiler.begin(step + 1)
             batch = to_device(batch, device)
             fields = {"fields": batch["fields"]} if "fields" in batch else {}
@@ -272,10 +275,13 @@ def train_step3(args) -> None:
                 metrics.log(step, {"train/skipped_nonfinite": guard.skipped})
             else:
                 buffer.append(exp)
+                round_samples += exp.batch_size
+                for k, v in timings.items():
+                    round_timings[k] = round_timings.get(k, 0.0) + v
                 if unsup_iter is not None:
                     unsup_buffer.append(to_device(next(unsup_iter), device))
                     unsup_done += 1
-                record = {**trainer.rollout_metrics(exp), **{f"time/{k}": v for k, v in timings.items()}}
+                record = {**trainer.rollout_metrics(exp), **{f"time/{k}": v for k, v in round_timings.items()}}
                 if filter_stats is not None:
                     record.update({f"filter/{k}": int(all_reduce_sum(torch.tensor(float(v))).item())
                                    for k, v in filter_stats.items() if k != "groups_kept"})
@@ -295,11 +301,11 @@ def train_step3(args) -> None:
                     record.update(trainer.phases.metrics())
                     record.update(engines.hybrid.pop_stats())
                     record.update(get_scheduler().pop_stats())
-                    record["time/step_s"] = time.time() - step_start
+                    record["time/step_s"] = time.time() - round_start
                     record["memory/peak_gib"] = peak_memory_gib(device)
                     record["memory/host_peak_gib"] = host_peak_gib()
                     record["zero/params_left_gathered"] = trainer.params_left_gathered()
-                    record["ppo/samples_per_s"] = exp.batch_size * world / record["time/step_s"]
+                    record["ppo/samples_per_s"] = round_samples * world / record["time/step_s"]
                     trainer.update_kl(record["ppo/kl_per_answer"], exp.batch_size * world)
                     record["train/skipped_nonfinite"] = guard.skipped
                     metrics.log(step, record)
