@@ -165,7 +165,8 @@ def print_plan(steps, actor, reward, deployment, row, launcher, gpus) -> None:
     print(f"deployment: {deployment}, {gpus} {'CPU ranks' if deployment == 'cpu' else 'GPUs'}: {row.get('rule', '')}")
     if deployment != "cpu":
         print("estimated model states (rule of thumb, see configs/presets/README.md):")
-        print("\n".join(memory_report(steps, actor, reward, gpus, row.get("gpu_memory_gb", 80))))
+        print("\n".join(memory_report(steps, actor, reward, gpus, row.get("gpu_memory_gb", 80),
+                                       row.get("measured_peak_gib"))))
     for step in steps:
         print(f"\n{step.name}: {shlex.join(launcher + step.argv)}")
 

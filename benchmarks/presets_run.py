@@ -29,7 +29,8 @@ def parse_args(argv=None):
     p.add_argument("--presets", nargs="+", default=None,
                    help="Preset names (default: every preset with a row for --deployment-type).")
     p.add_argument("--deployment-type", default="single_gpu", help="The presets' deployment row to run.")
-    p.add_argument("--steps", type=int, default=5, help="Optimizer steps of steps 1 and 2, PPO steps of step 3.")
+    p.add_argument("--steps", type=int, default=5,
+                   help="Optimizer steps of steps 1 and 2, PPO rounds of step 3.")
     p.add_argument("--data-path", default="dschat/synthetic-assistant", help="Data of all three steps.")
     p.add_argument("--timeout", type=int, default=1800, help="Seconds per preset (all three steps).")
     p.add_argument("--workdir", default="/tmp/dschat_presets", help="One output folder per preset.")
@@ -84,11 +85,16 @@ def step_summary(folder: Path, warmup: int = 1) -> dict:
 
 def run_preset(name: str, args) -> dict:
     out = Path(args.workdir) / name
+    preset = json.loads((PRESETS / f"{name}.json").read_text())
+    row = preset["deployments"][args.deployment_type]
+    # step 3's --max_steps counts generation batches; a PPO round trains after
+    # --generation_batches of them, so S rounds are S x that many batches
+    rounds = args.steps * int(row.get("step3", {}).get("generation_batches", 1))
     step_args = f"--max_steps {args.steps}"
     cmd = [sys.executable, str(REPO / "applications" / "e2e_rlhf.py"), "--actor-model", name,
            "--deployment-type", args.deployment_type, "--output-dir", str(out), "--data-path", args.data_path,
            "--step", "1", "2", "3", "--force", "--no-report",
-           f"--step1-args={step_args}", f"--step2-args={step_args}", f"--step3-args={step_args}"]
+           f"--step1-args={step_args}", f"--step2-args={step_args}", f"--step3-args=--max_steps {rounds}"]
     if name != "demo":
         cmd.append("--random-init")
     t0 = time.time()
@@ -97,8 +103,6 @@ def run_preset(name: str, args) -> dict:
         rc, tail = proc.returncode, (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
     except subprocess.TimeoutExpired:
         rc, tail = -1, [f"timed out after {args.timeout} s"]
-    preset = json.loads((PRESETS / f"{name}.json").read_text())
-    row = preset["deployments"][args.deployment_type]
     if rc != 0:
         print(f"--- {name} failed; end of its last step log:\n{failing_log_tail(out)}", flush=True)
     summary = {s: step_summary(out / f"step{s}") for s in (1, 2, 3)}
@@ -112,9 +116,11 @@ def run_preset(name: str, args) -> dict:
 
 def table(results: list[dict], args) -> str:
     lines = [f"every preset, deployment {args.deployment_type}, {args.steps} steps of each of steps 1-3, random "
-             f"weights at the preset's shape, data {args.data_path}; s/step is the mean after the first step", "",
+             f"weights at the preset's shape, data {args.data_path}; s/step (steps 1-2: an optimizer "
+             "step; step 3: a PPO round of --generation_batches rollouts and their training) is the mean "
+             "after the first", "",
              "| preset | ZeRO actor/reward | step 1 s/step | step 1 peak GiB (est. GB) | step 2 s/step "
-             "| step 2 peak GiB (est. GB) | step 3 s/step | step 3 samples/s | step 3 peak GiB (est. GB) | result |",
+             "| step 2 peak GiB (est. GB) | step 3 s/round | step 3 samples/s | step 3 peak GiB (est. GB) | result |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         cells = []

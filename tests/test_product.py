@@ -183,6 +183,14 @@ def test_e2e_dry_run_and_list(e2e, capsys):
     assert out.count("training/step") == 3 and "--num_gpus 2" in out and "configs/tiny/bloom.json" in out
     e2e.main(["--list-presets"])
     assert "bloom-7b1" in capsys.readouterr().out
+    # a preset row measured on a GPU prints its measured peak under each step's estimate
+    assert e2e.main(["--actor-model", "bloom-560m", "--deployment-type", "single_gpu", "--dry-run",
+                     "--output-dir", "/tmp/dschat-dry-560m"]) == 0
+    out = capsys.readouterr().out
+    measured = json.loads((REPO / "configs" / "presets" / "bloom-560m.json").read_text())[
+        "deployments"]["single_gpu"]["measured_peak_gib"]
+    for step in (1, 2, 3):
+        assert f"{measured[f'step{step}']:.1f} GiB peak per GPU" in out, out
 
 
 # ----------------------------------------------------------------------------- tiny models

@@ -273,9 +273,11 @@ def deepspeed_states_gb(preset: dict, stage: int, gpus: int, offload: bool) -> t
     return gpu / 1e9, cpu / 1e9
 
 
-def memory_report(steps, actor: ModelChoice, reward: ModelChoice | None, gpus: int, gpu_gb: float) -> list[str]:
-    """Two lines per step: estimated per-GPU model states against the GPU_BUDGET share of
-    memory, and DeepSpeed's estimators for the trained models (with host memory)."""
+def memory_report(steps, actor: ModelChoice, reward: ModelChoice | None, gpus: int, gpu_gb: float,
+                  measured: dict | None = None) -> list[str]:
+    """Per step: estimated per-GPU model states against the GPU_BUDGET share of memory,
+    DeepSpeed's estimators for the trained models (with host memory), and the peak a GPU run
+    of the preset's row measured (`measured_peak_gib`), where there is one."""
     a, c = sized(actor), sized(reward or actor)
     lines = []
     for step in steps:
@@ -286,6 +288,10 @@ def memory_report(steps, actor: ModelChoice, reward: ModelChoice | None, gpus: i
         verdict = "ok" if parts["total"] <= GPU_BUDGET * gpu_gb else f"OVER the {GPU_BUDGET:.0%} budget"
         lines.append(f"  {step.name}: {parts['total']:.1f} GB per GPU of {gpu_gb:.0f} over {gpus} GPUs"
                      f"{' (' + detail + ')' if detail else ''}: {verdict}")
+        peak = (measured or {}).get(f"step{step.number}") if step.title != "DPO" else None
+        if peak is not None:
+            lines.append(f"    measured with the preset's own flags: {peak:.1f} GiB peak per GPU "
+                         f"({measured.get('on', 'one GPU run')})")
         if step.flags.get("only_optimize_lora"):
             continue                       # DeepSpeed's estimators know no frozen base weights
         offload = bool(step.flags.get("offload"))
