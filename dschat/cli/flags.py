@@ -178,8 +178,9 @@ def add_step3_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--per_device_generation_batch_size", type=int, default=16,
                    help="Answers generated per rank per rollout batch (prompts x --n_samples_per_prompt).")
     g.add_argument("--per_device_training_batch_size", type=int, default=16, help="PPO micro-batch per rank.")
-    g.add_argument("--generation_batches", type=int, default=1, help="Generation batches per PPO update round; step 3 logs one metrics row per round "
-                   "(its seconds, samples/s and phases span the whole round).")
+    g.add_argument("--generation_batches", type=int, default=1,
+                   help="Generation batches per PPO update round; step 3 logs one metrics row per round "
+                        "(its seconds, samples/s and phases span the whole round).")
     g.add_argument("--ppo_epochs", type=int, default=1, help="PPO epochs over each round of experience.")
     g.add_argument("--max_prompt_seq_len", type=int, default=256, help="Prompts longer than this are dropped.")
     g.add_argument("--max_answer_seq_len", type=int, default=256, help="Answer tokens generated at most.")
