@@ -172,6 +172,21 @@ def test_unsharded_frozen_models_score_like_zero3_ones(sft_and_rm, tmp_path):
     assert not list((whole / "profile").glob("*.pickle"))
 
 
+def test_frozen_models_unpartitioned_on_one_rank(sft_and_rm, tmp_path):
+    """On one rank ZeRO-3 partitions nothing: the reference and reward models of an actor
+    and critic at ZeRO-3 default to stage 0 (no gather hooks) and score exactly as at
+    ZeRO-3 (--reference_zero_stage 3 --reward_zero_stage 3, upstream's rule)."""
+    default, upstream = tmp_path / "default", tmp_path / "upstream"
+    proc = run_deepspeed(STEP3, step3_args(sft_and_rm, default, 3, ["--enable_hybrid_engine"]), num_gpus=1)
+    log = proc.stdout + proc.stderr
+    assert "reference engine ready (ZeRO-0)" in log and "reward engine ready (ZeRO-0)" in log, log[-3000:]
+    assert "the frozen models run unpartitioned here" in log
+    proc = run_deepspeed(STEP3, step3_args(sft_and_rm, upstream, 3, ["--enable_hybrid_engine", "--reference_zero_stage",
+                                                                      "3", "--reward_zero_stage", "3"]), num_gpus=1)
+    assert "reference engine ready (ZeRO-3)" in proc.stdout + proc.stderr
+    assert_same_run(default, upstream)
+
+
 def test_lora_actor_reference_is_its_base_with_adapters_off(sft_and_rm, tmp_path):
     """A LoRA actor with frozen base weights scores its reference with the adapters switched
     off (no second copy of the weights): the same answers, KL, rewards and losses as a

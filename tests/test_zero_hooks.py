@@ -55,6 +55,17 @@ def test_leaf_classes_only_at_zero3_and_only_for_block_granularity():
         use_block_granularity(train_ds_config(zero_stage=3, dtype="fp32", micro_batch_size=1), model, "layer")
 
 
+def test_frozen_stage_rule():
+    """Frozen models follow their trained partner's ZeRO-3 on several ranks (upstream's
+    rule), run unpartitioned on one rank unless offloaded, and the flag always wins."""
+    from dschat.engine.config import frozen_stage
+    assert frozen_stage(None, 3) == 3 and frozen_stage(None, 2) == 0            # rank count unknown
+    assert frozen_stage(None, 3, world_size=2) == 3 and frozen_stage(None, 3, world_size=1) == 0
+    assert frozen_stage(None, 3, world_size=1, offloaded=True) == 3            # host offload needs ZeRO-3
+    assert frozen_stage(None, 0, world_size=8) == 0
+    assert frozen_stage(3, 3, world_size=1) == 3 and frozen_stage(0, 3, world_size=4) == 0
+
+
 def test_offload_knobs_in_the_deepspeed_config():
     """--offload keeps upstream's meaning (parameters and optimizer state on the host at
     ZeRO-3); --offload_optimizer_only keeps the parameters on the GPU; --offload_ratio < 1

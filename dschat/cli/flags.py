@@ -290,11 +290,13 @@ def add_step3_args(p: argparse.ArgumentParser) -> None:
                         "reference is the actor with its adapters switched off (the same weights, held once).")
     g.add_argument("--reference_zero_stage", type=int, default=None, choices=(0, 3),
                    help="ZeRO stage of the frozen reference (and EMA) model. Default: 3 when "
-                        "--actor_zero_stage is 3, else 0 (upstream's rule). 0 keeps a whole copy on "
+                        "--actor_zero_stage is 3, else 0 (upstream's rule); on one GPU 0 unless "
+                        "--offload_reference_model (ZeRO-3 partitions nothing there). 0 keeps a whole copy on "
                         "every GPU: no per-layer gathers while scoring, at the memory of one model.")
     g.add_argument("--reward_zero_stage", type=int, default=None, choices=(0, 3),
                    help="ZeRO stage of the frozen reward model. Default: 3 when --critic_zero_stage "
-                        "is 3, else 0. 0 keeps a whole copy on every GPU (faster scoring, more memory).")
+                        "is 3, else 0; on one GPU 0 unless --offload_reward_model. 0 keeps a whole copy on "
+                        "every GPU (faster scoring, more memory).")
     add_zero3_hooks_arg(g)
     g.add_argument("--actor_gradient_checkpointing", action="store_true", help="Actor activation checkpointing.")
     g.add_argument("--logprobs", choices=("fused", "plain"), default="fused",

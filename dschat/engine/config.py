@@ -101,12 +101,19 @@ def eval_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int = 1,
     return config
 
 
-def frozen_stage(explicit: int | None, trained_stage: int) -> int:
-    """ZeRO stage of a frozen model (reference / reward): the flag when given, else
-    upstream's rule (ZeRO-3 when the model it mirrors trains at ZeRO-3, else 0)."""
+def frozen_stage(explicit: int | None, trained_stage: int, *, world_size: int | None = None,
+                 offloaded: bool = False) -> int:
+    """ZeRO stage of a frozen model (reference / reward / EMA): the flag when given, else
+    upstream's rule (ZeRO-3 when the model it mirrors trains at ZeRO-3, else 0), except on a
+    single rank (`world_size` 1) without host offload: there ZeRO-3 partitions nothing, so
+    stage 0 holds the same whole copy without the per-block gather hooks, which cost these
+    scoring forwards about twice their unpartitioned time on one GPU (benchmarks/RESULTS.md,
+    table 3). `world_size` None: not known yet (flag validation), upstream's rule."""
     if explicit is not None:
         return int(explicit)
-    return 3 if trained_stage == 3 else 0
+    if trained_stage != 3:
+        return 0
+    return 0 if world_size == 1 and not offloaded else 3
 
 
 def zero_stage_of(ds_config: dict | None) -> int:

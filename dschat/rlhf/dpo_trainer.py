@@ -23,6 +23,7 @@ from dschat.rlhf.dpo import (
     summarize,
     token_kl_sum,
 )
+from dschat.utils import dist
 from dschat.utils.dist import all_reduce_sum
 
 
@@ -39,10 +40,11 @@ class DPOConfig:
 
 
 def reference_ds_config(args) -> dict:
-    """The frozen reference's config: ZeRO-3 when the policy trains at ZeRO-3, else stage 0
-    (upstream's rule), unless --reference_zero_stage says otherwise."""
-    return eval_ds_config(zero_stage=frozen_stage(args.reference_zero_stage, args.zero_stage),
-                          dtype=args.dtype, offload=args.offload_reference_model)
+    """The frozen reference's config: ZeRO-3 when the policy trains at ZeRO-3 on several ranks,
+    else stage 0 (engine.config.frozen_stage), unless --reference_zero_stage says otherwise."""
+    stage = frozen_stage(args.reference_zero_stage, args.zero_stage, world_size=dist.get_world_size(),
+                         offloaded=args.offload_reference_model)
+    return eval_ds_config(zero_stage=stage, dtype=args.dtype, offload=args.offload_reference_model)
 
 
 def build_dpo_engines(args, tokenizer, ds_config: dict, num_update_steps: int):

@@ -96,8 +96,9 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     hooks = args.zero3_hook_granularity
     if dist.get_world_size() == 1 and 3 in (args.actor_zero_stage, args.critic_zero_stage) and not args.offload:
         # measured at bloom-560m on one H200 (benchmarks/RESULTS.md, table 3): 22% of the step, more memory
-        print_rank_0("note: ZeRO-3 on one GPU partitions nothing and costs about a fifth of a PPO step in "
-                     "hooks and fetches; --actor_zero_stage 2 --critic_zero_stage 2 (or 0) train the same "
+        print_rank_0("note: ZeRO-3 on one GPU partitions nothing, and its hooks and fetches cost time (22% of "
+                     "a PPO step at bloom-560m with all four models at ZeRO-3); the frozen models run "
+                     "unpartitioned here, and --actor_zero_stage 2 --critic_zero_stage 2 (or 0) train the same "
                      "models faster in less memory unless parameters are offloaded")
     # actor
     actor = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=actor_cfg,
@@ -112,8 +113,10 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     print_rank_0(f"actor engine ready (ZeRO-{args.actor_zero_stage})")
 
     # reference: the SFT model, frozen
-    ref_cfg = eval_ds_config(zero_stage=frozen_stage(args.reference_zero_stage, args.actor_zero_stage),
-                             dtype=args.dtype, offload=args.offload_reference_model)
+    world = dist.get_world_size()
+    ref_stage = frozen_stage(args.reference_zero_stage, args.actor_zero_stage, world_size=world,
+                             offloaded=args.offload_reference_model)
+    ref_cfg = eval_ds_config(zero_stage=ref_stage, dtype=args.dtype, offload=args.offload_reference_model)
     ref_engine = None
     if uses_reference(args) and shares_lora_base(args):
         ref_engine = LoRABaseReference(actor_engine)
@@ -123,6 +126,7 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
         ref = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
         ref_engine = initialize_engine(ref, ref_cfg, hooks)
         ref_engine.eval()  # frozen models never run dropout
+        print_rank_0(f"reference engine ready (ZeRO-{ref_stage})")
     else:
         print_rank_0("no reference model (--kl_ctl 0): the KL term is 0")
 
@@ -157,11 +161,13 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     if uses_reward_model(args):  # reward: the same reward model, frozen
         # without a critic the reward model follows the actor's stage (it has no partner)
         partner = args.critic_zero_stage if critic_engine is not None else args.actor_zero_stage
-        reward_cfg = eval_ds_config(zero_stage=frozen_stage(args.reward_zero_stage, partner),
-                                    dtype=args.dtype, offload=args.offload_reward_model)
+        reward_stage = frozen_stage(args.reward_zero_stage, partner, world_size=world,
+                                    offloaded=args.offload_reward_model)
+        reward_cfg = eval_ds_config(zero_stage=reward_stage, dtype=args.dtype, offload=args.offload_reward_model)
         reward = load_reward_model(args.critic_model_name_or_path, tokenizer, flag="--critic_model_name_or_path")
         reward_engine = initialize_engine(reward, reward_cfg, hooks)
         reward_engine.eval()
+        print_rank_0(f"reward engine ready (ZeRO-{reward_stage})")
 
     hybrid = HybridActor(
         actor_engine, enable_hybrid_engine=args.enable_hybrid_engine,
