@@ -161,3 +161,18 @@ def test_group_membership():
         "memory": [],
     }
     assert json.dumps(groups)  # plain data
+
+
+def test_a_round_of_rollouts_is_one_metrics_row():
+    """--generation_batches > 1: a round's row averages its rollouts' values by their row
+    counts, keeps maxima / minima over them, sums the skipped-reward count and keeps the
+    round's KL coefficient."""
+    from dschat.rlhf.trainer import merge_rollout_metrics
+    a = {"ppo/reward_mean": 1.0, "gen/answer_len_max": 7.0, "ppo/adv_min": -2.0, "reward/bad_skipped": 1,
+         "ppo/kl_coef": 0.1}
+    b = {"ppo/reward_mean": 4.0, "gen/answer_len_max": 5.0, "ppo/adv_min": -3.0, "reward/bad_skipped": 2,
+         "ppo/kl_coef": 0.1}
+    m = merge_rollout_metrics([a, b], [2, 1])
+    assert m == {"ppo/reward_mean": (1.0 * 2 + 4.0) / 3, "gen/answer_len_max": 7.0, "ppo/adv_min": -3.0,
+                 "reward/bad_skipped": 3, "ppo/kl_coef": 0.1}
+    assert merge_rollout_metrics([a], [5]) == a

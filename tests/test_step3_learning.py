@@ -89,7 +89,8 @@ def test_ptx_rows_once_per_epoch_one_step_per_ppo_step_and_schedule_length(model
             "gas2": {"argv": argv(models, tmp_path / "gas2", steps=3, gen=4, train=2,
                                   extra=[*ptx, "--gradient_accumulation_steps", "2"])},
             "small_gen": {"argv": argv(models, tmp_path / "small_gen", steps=4, gen=2, train=4,
-                                       extra=["--generation_batches", "2"])}}
+                                       extra=["--generation_batches", "2", "--dump_generations",
+                                              tmp_path / "small_gen" / "gen.jsonl"])}}
     results = probe(tmp_path, runs)
     # (run, optimizer steps per round, rounds, accumulation): small_gen trains each 2-row
     # generation batch as one micro-batch, two per round
@@ -116,9 +117,13 @@ def test_ptx_rows_once_per_epoch_one_step_per_ppo_step_and_schedule_length(model
     # one row per round of --generation_batches 2: its samples/s counts both rollouts of 2 rows
     # on 2 ranks over the round's seconds, which hold both rollouts' generation
     assert len(small_gen_rows) == 2, small_gen_rows
+    answers = [json.loads(line) for line in (tmp_path / "small_gen" / "gen.jsonl").read_text().splitlines()]
     for r in small_gen_rows:
         assert abs(r["ppo/samples_per_s"] * r["time/step_s"] - 2 * 2 * 2) < 1e-6, r
         assert r["time/generate_s"] + r["time/train_s"] <= r["time/step_s"], r
+        # and its reward is the mean over both rollouts' 8 answers (rounds end at steps 2 and 4)
+        rewards = [a["reward"] for a in answers if a["step"] in (r["step"] - 1, r["step"])]
+        assert len(rewards) == 8 and abs(r["ppo/reward_mean"] - sum(rewards) / 8) < 1e-5, (r, rewards)
 
 
 def test_ema_of_a_lora_actor_averages_its_merged_weights(models, tmp_path):

@@ -19,7 +19,7 @@ from dschat.models.reward_model import save_reward_model
 from dschat.rlhf.algorithm import kl_settings, reward_fn_specs, reward_weights, uses_reward_model
 from dschat.rlhf.engine import build_rlhf_engines, ppo_optimizer_steps
 from dschat.rlhf.reward_fn import describe, load_reward_fn
-from dschat.rlhf.trainer import PPOConfig, PPOTrainer, RewardFn
+from dschat.rlhf.trainer import PPOConfig, PPOTrainer, RewardFn, merge_rollout_metrics
 from dschat.rollout.gather import get_scheduler
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, skip_batches
 from dschat.utils.dist import (
@@ -241,7 +241,7 @@ def train_step3(args) -> None:
             if not buffer:
                 # a PPO round (--generation_batches rollouts, then training) is one metrics row: its
                 # seconds, samples and phases (time/<phase>_s, memory/<phase>_peak_gib) span the round
-                round_start, round_samples, round_timings = time.time(), 0, {}
+                round_start, round_samples, round_timings, round_rollouts = time.time(), 0, {}, []
                 trainer.phases.reset()
             profiler.begin(step + 1)
             batch = to_device(batch, device)
@@ -281,7 +281,9 @@ def train_step3(args) -> None:
                 if unsup_iter is not None:
                     unsup_buffer.append(to_device(next(unsup_iter), device))
                     unsup_done += 1
-                record = {**trainer.rollout_metrics(exp), **{f"time/{k}": v for k, v in round_timings.items()}}
+                round_rollouts.append((trainer.rollout_metrics(exp), exp.batch_size))
+                record = {**merge_rollout_metrics([m for m, _ in round_rollouts], [n for _, n in round_rollouts]),
+                          **{f"time/{k}": v for k, v in round_timings.items()}}
                 if filter_stats is not None:
                     record.update({f"filter/{k}": int(all_reduce_sum(torch.tensor(float(v))).item())
                                    for k, v in filter_stats.items() if k != "groups_kept"})
@@ -306,7 +308,7 @@ def train_step3(args) -> None:
                     record["memory/host_peak_gib"] = host_peak_gib()
                     record["zero/params_left_gathered"] = trainer.params_left_gathered()
                     record["ppo/samples_per_s"] = round_samples * world / record["time/step_s"]
-                    trainer.update_kl(record["ppo/kl_per_answer"], exp.batch_size * world)
+                    trainer.update_kl(record["ppo/kl_per_answer"], round_samples * world)
                     record["train/skipped_nonfinite"] = guard.skipped
                     metrics.log(step, record)
                     progress.set_postfix(reward=f"{record['ppo/reward_mean']:.3f}", kl=f"{record['ppo/kl']:.3f}")

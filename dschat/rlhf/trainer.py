@@ -560,6 +560,35 @@ class PPOTrainer:
         }
 
 
+# rollout metrics that hold per round whatever the rollout: set before the round, not averaged
+_ROUND_CONSTANTS = ("ppo/kl_coef", "ppo/kl_estimator_k", "ppo/kl_in_loss")
+
+
+def merge_rollout_metrics(rows: list[dict], weights: list[float]) -> dict:
+    """One metrics row for a PPO round of several rollouts (--generation_batches): maxima
+    and minima over the rollouts, counts (reward/bad_skipped) summed, the round's constants
+    (KL coefficient and estimator) as they stand, every other value averaged with the
+    rollouts' row counts as weights (exact for means over rows; std columns are the mean of
+    the rollouts' stds)."""
+    if len(rows) == 1:
+        return dict(rows[0])
+    total = float(sum(weights))
+    out = {}
+    for key in rows[-1]:
+        values = [(r[key], w) for r, w in zip(rows, weights) if key in r]
+        if key in _ROUND_CONSTANTS:
+            out[key] = values[-1][0]
+        elif key.endswith("_max"):
+            out[key] = max(v for v, _ in values)
+        elif key.endswith("_min"):
+            out[key] = min(v for v, _ in values)
+        elif key == "reward/bad_skipped":
+            out[key] = sum(v for v, _ in values)
+        else:
+            out[key] = sum(v * w for v, w in values) / (sum(w for _, w in values) or total)
+    return out
+
+
 def _reduce_min(value: torch.Tensor) -> float:
     return -dist.all_reduce_max(-value.detach().float()).item()
 
