@@ -5,7 +5,8 @@
 # largest: the largest actors step 3 trains on one GPU: OPT-13B (LoRA) with an OPT-350m critic,
 #   LLaMA-7B (LoRA; full fine-tuning with 60% of the optimizer on the host, left out with
 #   LARGEST_FULL=0 on 80 GB cards) with a TinyLlama critic
-# presets: every one-GPU preset through steps 1-3, 5 steps each, smallest first (presets_run.py)
+# presets: every one-GPU preset through steps 1-3, 5 steps each, smallest first (presets_run.py);
+#   PRESETS="a b" runs those, in that order
 # check: the CUDA tests (kernels against their references, graph replay against HF, refill,
 #   phase peaks), then generation at bloom-560m and bloom-7b1 B16: HF, HF static cache, ours
 # step3modes: step 3 at bloom-560m in every one-GPU mode (hybrid off, ours fast, checkpointed,
@@ -57,7 +58,7 @@ elif [ "$what" = largest ]; then
       --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
   fi
 elif [ "$what" = presets ]; then
-  python3 benchmarks/presets_run.py --deployment-type single_gpu --steps 5 --timeout 900 \
+  python3 benchmarks/presets_run.py --deployment-type single_gpu --steps 5 --timeout 900 ${PRESETS:+--presets $PRESETS} \
     --workdir "${PRESETS_WORKDIR:-/tmp/dschat_presets}" --out "$out/presets.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = decode ]; then
   python3 benchmarks/attn_bench.py --out "$out" 2>&1 | grep --line-buffered -v -i warn
