@@ -13,7 +13,8 @@
 #   ZeRO-2, ZeRO-0)
 # step3big: a bloom-7b1 actor with a bloom-560m critic, 8 x (256 + 256): full fine-tuning with the
 #   optimizer states 60% on the host, LoRA, and hybrid off (offloaded) for 3 steps
-# step3offload: bloom-7b1 full fine-tuning, both trained models checkpointed, offload ratios
+# step3offload: bloom-7b1 full fine-tuning, both trained models checkpointed (host buffers pageable,
+#   then pinned), offload ratios
 #   $OFFLOAD_RATIOS (default 0.45 0.35)
 # step3fam: step 3 (fast path, 3 steps) with a GPT-NeoX, a LLaMA (grouped-query) and a GPT-2
 #   actor and critic, each at ZeRO-3 on one GPU
@@ -53,6 +54,7 @@ elif [ "$what" = step3offload ]; then
   for r in ${OFFLOAD_RATIOS:-0.45 0.35}; do
     python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 12 --warmup 3 \
       --offload_ratio $r --modes "ours fast, optimizer offloaded, checkpointed" \
+      "ours fast, optimizer offloaded, checkpointed, pinned" \
       --out "$out/step3_offload.md" 2>&1 | grep --line-buffered -v -i warn
   done
 elif [ "$what" = largest ]; then

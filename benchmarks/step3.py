@@ -56,12 +56,16 @@ MODES = {
     "ours fast, optimizer offloaded, checkpointed": ["--enable_hybrid_engine", "--offload", "--offload_optimizer_only",
                                                      "--actor_gradient_checkpointing",
                                                      "--critic_gradient_checkpointing"],
+    "ours fast, optimizer offloaded, checkpointed, pinned": ["--enable_hybrid_engine", "--offload",
+                                                             "--offload_optimizer_only", "--offload_pin_memory",
+                                                             "--actor_gradient_checkpointing",
+                                                             "--critic_gradient_checkpointing"],
     # the same without the hybrid engine (generation through DeepSpeed's ZeRO-3 hooks)
     "hybrid off, optimizer offloaded": ["--offload", "--offload_optimizer_only"],
     "ours fast, LoRA": ["--enable_hybrid_engine", "--actor_lora_dim", "128", "--only_optimize_lora"],
 }
 OFFLOADED = ("ours fast, optimizer offloaded", "ours fast, optimizer offloaded, pinned",
-             "ours fast, optimizer offloaded, checkpointed",
+             "ours fast, optimizer offloaded, checkpointed", "ours fast, optimizer offloaded, checkpointed, pinned",
              "hybrid off, optimizer offloaded")
 MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"}}
 
