@@ -13,9 +13,9 @@
 #   ZeRO-2, ZeRO-0)
 # step3big: a bloom-7b1 actor with a bloom-560m critic, 8 x (256 + 256): full fine-tuning with the
 #   optimizer states 60% on the host, LoRA, and hybrid off (offloaded) for 3 steps
-# step3offload: bloom-7b1 full fine-tuning, both trained models checkpointed (host buffers pageable,
-#   then pinned), offload ratios
-#   $OFFLOAD_RATIOS (default 0.45 0.35)
+# step3offload: bloom-560m with the replica as views of the shards and copied, then bloom-7b1 full
+#   fine-tuning, both trained models checkpointed, at offload ratios $OFFLOAD_RATIOS (default
+#   0.35 0.25; the first also with pageable host buffers and hybrid off)
 # step3fam: step 3 (fast path, 3 steps) with a GPT-NeoX, a LLaMA (grouped-query) and a GPT-2
 #   actor and critic, each at ZeRO-3 on one GPU
 # decode: the attention and linear kernel sweeps, then the off-by-default candidates end to end
@@ -49,12 +49,19 @@ elif [ "$what" = step3big ]; then
     --hybrid_off_steps 3 --offload_ratio 0.6 --modes "ours fast, optimizer offloaded" "ours fast, LoRA" \
     "hybrid off, optimizer offloaded" --out "$out/step3_7b1.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = step3offload ]; then
-  # full fine-tuning at bloom-7b1 with both trained models checkpointed, more of the optimizer on the
-  # GPU (OFFLOAD_RATIOS, host share of the optimizer states), 12 steps each
-  for r in ${OFFLOAD_RATIOS:-0.45 0.35}; do
+  # the replica as views of the shards against a copied one (bloom-560m, one rank), then full
+  # fine-tuning at bloom-7b1 with both trained models checkpointed and more of the optimizer on the
+  # GPU (OFFLOAD_RATIOS, host share of the optimizer states), 12 steps each; the first ratio
+  # also with pageable host buffers and hybrid off, the others pinned only
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast" \
+    "ours fast, replica copied" --out "$out/step3_shards.md" 2>&1 | grep --line-buffered -v -i warn
+  first=1
+  for r in ${OFFLOAD_RATIOS:-0.35 0.25}; do
+    modes=("ours fast, optimizer offloaded, checkpointed, pinned")
+    [ $first = 1 ] && modes+=("ours fast, optimizer offloaded, checkpointed" "hybrid off, optimizer offloaded, checkpointed")
+    first=0
     python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 12 --warmup 3 \
-      --offload_ratio $r --modes "ours fast, optimizer offloaded, checkpointed" \
-      "ours fast, optimizer offloaded, checkpointed, pinned" \
+      --hybrid_off_steps 3 --offload_ratio $r --modes "${modes[@]}" \
       --out "$out/step3_offload.md" 2>&1 | grep --line-buffered -v -i warn
   done
 elif [ "$what" = largest ]; then

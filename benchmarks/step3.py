@@ -42,6 +42,8 @@ MODES = {
                                 "--critic_gradient_checkpointing"],
     # ZeRO-2 (and ZeRO-0) at world size 1: what ZeRO-3's hooks, fetches and partitioned
     # optimizer step cost where there is nothing to partition (generation on the live weights)
+    # a copied inference replica of the actor where (one rank, ZeRO-3) views of its shards serve
+    "ours fast, replica copied": ["--enable_hybrid_engine"],
     "ours fast, ZeRO-2": ["--enable_hybrid_engine", "--actor_zero_stage", "2", "--critic_zero_stage", "2"],
     "ours fast, ZeRO-0": ["--enable_hybrid_engine", "--actor_zero_stage", "0", "--critic_zero_stage", "0"],
     # full fine-tuning of an actor whose training state outgrows one GPU: the parameters stay
@@ -62,12 +64,16 @@ MODES = {
                                                              "--critic_gradient_checkpointing"],
     # the same without the hybrid engine (generation through DeepSpeed's ZeRO-3 hooks)
     "hybrid off, optimizer offloaded": ["--offload", "--offload_optimizer_only"],
+    "hybrid off, optimizer offloaded, checkpointed": ["--offload", "--offload_optimizer_only",
+                                                      "--actor_gradient_checkpointing",
+                                                      "--critic_gradient_checkpointing"],
     "ours fast, LoRA": ["--enable_hybrid_engine", "--actor_lora_dim", "128", "--only_optimize_lora"],
 }
 OFFLOADED = ("ours fast, optimizer offloaded", "ours fast, optimizer offloaded, pinned",
              "ours fast, optimizer offloaded, checkpointed", "ours fast, optimizer offloaded, checkpointed, pinned",
-             "hybrid off, optimizer offloaded")
-MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"}}
+             "hybrid off, optimizer offloaded", "hybrid off, optimizer offloaded, checkpointed")
+MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"},
+            "ours fast, replica copied": {"DSCHAT_COPY_REPLICA": "1"}}
 
 
 def parse_args(argv=None):

@@ -263,3 +263,25 @@ def test_zero_stages_offload_gathered_layered(tmp_path):
         assert g["persistent_params"] > 0 and g["persistent_full_equal"], g
         assert g["layered_equal"] and 0 < g["layered_peak"] <= g["max_group_bytes"], g
         assert g["left_after_layered"] == [] and g["loss_finite"], g
+
+
+def test_zero3_one_rank_replica_is_views_of_the_shards(tmp_path):
+    """ZeRO-3 on one rank: the actor's replica is views of its shards (no copy, no gather),
+    equal to HF before and after optimizer steps (Bloom; LLaMA through the fast decoder,
+    whose fused projections are rebuilt; OPT with every parameter persistent); a copied
+    replica where views cannot serve (LoRA, another dtype, offloaded parameters)."""
+    out = tmp_path / "shards"
+    run_deepspeed(REPO / "tests" / "dist" / "hybrid_shards.py", ["--out", out], num_gpus=1, timeout=300)
+    r = json.loads(Path(f"{out}.rank0.json").read_text())
+    assert r["world_size"] == 1
+    for name in ("bloom", "llama_fast", "opt_persistent"):
+        c = r[name]
+        assert c["path"] == "shards" and c["copied_path"] == "full", (name, c)
+        assert c["all_params_are_shards"] and not c["copied_params_are_shards"], (name, c)
+        assert c["equal"] and c["after_step_equal"] and c["after_step_equal_copied"], (name, c)
+        assert c["after_step_changed"] and c["same_replica_after_steps"], (name, c)
+        assert c["log_probs_diff"] < 1e-5, (name, c)
+        assert c["builds"] == 1 and c["gathered_bytes"] == 0 and c["left_gathered"] == [], (name, c)
+    assert r["llama_fast"]["fast_used"]
+    f = r["fallback"]
+    assert f["lora_path"] == f["bf16_path"] == f["offload_path"] == "full" and f["lora_equal"], f

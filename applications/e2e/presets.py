@@ -209,7 +209,10 @@ def step_memory_gb(step: int, flags: dict, actor: dict, critic: dict, gpus: int)
         "reward": model_state_gb(c_b, frozen(c_stage), gpus, trained=False,
                                  offload=bool(flags.get("offload_reward_model"))),
     }
-    if a_stage == 3 and flags.get("enable_hybrid_engine"):
+    # on one GPU without LoRA and with the shards on it, the replica is views of the shards
+    shard_views = (gpus == 1 and not flags.get("actor_lora_dim")
+                   and not (offload and not flags.get("offload_optimizer_only")))
+    if a_stage == 3 and flags.get("enable_hybrid_engine") and not shard_views:
         layers = actor.get("num_layers", 24)
         share = (min(1.0, flags.get("tp_gather_partition_size", 8) / layers)
                  if flags.get("unpin_actor_parameters") else 1.0)

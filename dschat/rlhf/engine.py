@@ -9,6 +9,7 @@ model is built without --critic_model_name_or_path or with its --reward_weights 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -176,7 +177,9 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
         release_inference_cache=args.release_inference_cache,
         max_prompt_len=args.max_prompt_seq_len, max_new_tokens=args.max_answer_seq_len,
         use_fast_decode=False if args.disable_fast_decode else None,
-        scheduler=scheduler, seed=args.seed, inference_tp_size=args.inference_tp_size)
+        scheduler=scheduler, seed=args.seed, inference_tp_size=args.inference_tp_size,
+        # A/B switch of benchmarks/step3.py: a copied replica even where the shards can serve
+        shard_views=os.environ.get("DSCHAT_COPY_REPLICA") != "1")
     return RLHFEngines(actor_engine, ref_engine, critic_engine, reward_engine, ema_engine, hybrid,
                        actor_cfg, critic_cfg)
 

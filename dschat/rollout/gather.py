@@ -460,10 +460,12 @@ def _fill_nbytes(params: list, plan: Optional[DirectPlan]) -> int:
 # --------------------------------------------------------------------- replicas
 
 def _materialize(model: nn.Module, src: nn.Module, dtype: torch.dtype, device: torch.device,
-                 slot_of: Callable[[str], Optional[str]]) -> None:
+                 slot_of: Callable[[str], Optional[str]],
+                 tensor_of: Optional[Callable[[str], torch.Tensor]] = None) -> None:
     """Give a meta-built `model` real tensors: parameters empty in `dtype` (shared ones
-    stay shared; `slot_of(name)` maps block params onto shared slot tensors), buffers
-    copied from `src` (same dtype as the source: RoPE tables stay fp32)."""
+    stay shared; `slot_of(name)` maps block params onto shared slot tensors), or the
+    tensor `tensor_of(name)` where given (no allocation); buffers copied from `src` (same
+    dtype as the source: RoPE tables stay fp32)."""
     made: dict[int, nn.Parameter] = {}
     slots: dict[str, torch.Tensor] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
@@ -474,8 +476,11 @@ def _materialize(model: nn.Module, src: nn.Module, dtype: torch.dtype, device: t
                 mod._parameters[key] = made[id(p)]
                 continue
             pdtype = dtype if p.is_floating_point() else p.dtype
-            slot = slot_of(f"{mod_name}.{key}" if mod_name else key)
-            if slot is not None:
+            name = f"{mod_name}.{key}" if mod_name else key
+            slot = slot_of(name)
+            if tensor_of is not None:
+                tensor = tensor_of(name)
+            elif slot is not None:
                 if slot not in slots:
                     slots[slot] = torch.empty(p.shape, dtype=pdtype, device=device)
                 if slots[slot].shape != p.shape:
@@ -525,13 +530,7 @@ def build_replica(src_module: nn.Module, dtype: Optional[torch.dtype] = None,
     fam = family_of(hf)
     dtype = dtype or _infer_dtype(hf)
     device = torch.device(device) if device is not None else _default_device()
-    config = copy.deepcopy(hf.config)
-    with torch.device("meta"):
-        replica = type(hf)(config)
-    _match_tying(replica, hf, fam)
-    attn = getattr(hf.config, "_attn_implementation", None)
-    if attn is not None and getattr(replica.config, "_attn_implementation", None) != attn:
-        replica.config._attn_implementation = attn
+    replica = _skeleton(hf, fam)
     prefix = fam.blocks + "."
 
     def slot_of(name: str) -> Optional[str]:
@@ -541,13 +540,100 @@ def build_replica(src_module: nn.Module, dtype: Optional[torch.dtype] = None,
         return f"{int(index) % block_slot}.{rest}"
 
     _materialize(replica, hf, dtype, device, slot_of)
+    return _finish_replica(replica, hf)
+
+
+def _skeleton(hf: nn.Module, fam) -> nn.Module:
+    """`hf`'s class and config built on the meta device, tied like `hf`, same attention."""
+    config = copy.deepcopy(hf.config)
+    with torch.device("meta"):
+        replica = type(hf)(config)
+    _match_tying(replica, hf, fam)
+    attn = getattr(hf.config, "_attn_implementation", None)
+    if attn is not None and getattr(replica.config, "_attn_implementation", None) != attn:
+        replica.config._attn_implementation = attn
+    return replica
+
+
+def _finish_replica(replica: nn.Module, hf: nn.Module) -> nn.Module:
     if any(is_zero3_param(p) or p.device.type == "meta" for p in replica.parameters()):
-        raise RuntimeError("build_replica produced ZeRO-3 or meta parameters; call it outside zero.Init")
+        raise RuntimeError("the replica has ZeRO-3 or meta parameters; build it outside zero.Init")
     replica.eval()
     replica.requires_grad_(False)
     if getattr(hf, "generation_config", None) is not None:
         replica.generation_config = copy.deepcopy(hf.generation_config)
     return replica
+
+
+# A ZeRO-3 model on one rank is partitioned into one piece per parameter: its shard
+# (`ds_tensor`, a view into the optimizer's flat fp16/bf16 buffer, updated in place by every
+# step) is the whole weight. A replica whose parameters are views of those shards costs no
+# memory and no refill; only derived tensors (fused projections of the fast decoder) need
+# rebuilding after a step.
+
+def _live_tensor(p: torch.Tensor) -> torch.Tensor:
+    """What holds `p`'s current values: its ZeRO-3 shard, or the tensor itself."""
+    return p.ds_tensor if is_zero3_param(p) else p.data
+
+
+def shard_views_unsupported_reason(src_module: nn.Module, dtype: torch.dtype,
+                                   device: torch.device) -> Optional[str]:
+    """None where `build_shard_view_replica` can serve `src_module` for inference in
+    `dtype` on `device`; else why not (LoRA to merge, shards over several ranks or padded,
+    offloaded, another dtype)."""
+    hf = unwrap_peft(src_module)
+    if hf is not src_module:
+        return "LoRA weights are merged into a copy"
+    from deepspeed import comm as ds_dist
+    for name, p in hf.named_parameters():
+        if is_zero3_param(p):
+            world = ds_dist.get_world_size(group=p.ds_process_group)
+            if world != 1:
+                return f"ZeRO-3 partitions {name} over {world} ranks"
+            shard = p.ds_tensor
+            if shard is None or shard.numel() != p.ds_numel or getattr(shard, "final_location", None) is not None \
+                    or getattr(p, "ds_secondary_tensor", None) is not None:
+                return f"{name}'s ZeRO-3 shard is not the whole tensor in memory"
+        t = _live_tensor(p)
+        if t.dtype != dtype:
+            return f"{name} is {t.dtype}, inference runs in {dtype}"
+        if t.device.type != device.type or None not in (t.device.index, device.index) \
+                and t.device.index != device.index:
+            return f"{name} lives on {t.device}, inference runs on {device}"
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+    return None
+
+
+def build_shard_view_replica(src_module: nn.Module) -> nn.Module:
+    """A plain HF module of the source's class and config whose parameters are views of the
+    source's live tensors (its ZeRO-3 shards at world size 1): no copy, no refill. Check
+    `shard_views_unsupported_reason` first and `shard_views_current` before each use."""
+    hf = unwrap_peft(src_module)
+    sources = dict(hf.named_parameters(remove_duplicate=False))
+    replica = _skeleton(hf, family_of(hf))
+    views: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def tensor_of(name: str) -> torch.Tensor:
+        src = sources.get(name)
+        if src is None:
+            raise RuntimeError(f"replica parameter {name} has no counterpart in the source model")
+        live = _live_tensor(src)
+        view = live.detach().view(src.ds_shape if is_zero3_param(src) else src.shape)
+        views.append((view, src))
+        return view
+
+    device = _live_tensor(next(hf.parameters())).device
+    _materialize(replica, hf, _infer_dtype(hf), device, lambda name: None, tensor_of)
+    replica.__dict__["_dschat_shard_views"] = views
+    return _finish_replica(replica, hf)
+
+
+def shard_views_current(replica: nn.Module) -> bool:
+    """Whether every view still points at its source's live storage (DeepSpeed rebinds a
+    shard's `.data` after each step, to a view of the same flat buffer, normally)."""
+    views = replica.__dict__.get("_dschat_shard_views")
+    return views is not None and all(v.data_ptr() == _live_tensor(s).data_ptr() for v, s in views)
 
 
 def _default_device() -> torch.device:

@@ -10,6 +10,11 @@
   `dschat.rollout.decode.FastGenerator` where supported (on CUDA by default), else with
   HF `generate`. The same replica serves `logits` / `log_probs` (the experience's actor
   log-prob pass), so the weights are gathered once per rollout.
+- ZeRO-3 on one rank (path "shards"): each parameter's shard is the whole weight, so the
+  replica's parameters are views of the shards themselves (`gather.build_shard_view_replica`):
+  no second copy of the actor, no refill (the optimizer updates the shards in place); only
+  the fast decoder's derived tensors are rebuilt after a step. Needs the training dtype,
+  no LoRA and the shards on the accelerator (not offloaded); else `full` (or `layered`).
 - `layered` mode (`--unpin_actor_parameters`): a skeleton replica whose blocks are
   filled `tp_gather_partition_size` at a time during every forward (`gather.LayeredReplica`);
   HF generate with `synced_gpus` under ZeRO-3 with more than one rank.
@@ -42,9 +47,12 @@ from dschat.rollout.gather import (
     GatherScheduler,
     LayeredReplica,
     build_replica,
+    build_shard_view_replica,
     fill_replica,
     get_scheduler,
     release_replica,
+    shard_views_current,
+    shard_views_unsupported_reason,
 )
 from dschat.utils import dist
 from dschat.utils.errors import UserInputError
@@ -68,7 +76,7 @@ class HybridActor:
 
     Public API: `generate`, `logits`, `log_probs`, `mark_weights_updated`, `train`,
     `eval`, `release_inference_cache`, `pop_stats`, and the properties `inference_model`
-    (what decoding runs on) and `path` ("hooks" | "alias" | "full" | "layered" | "tp").
+    (what decoding runs on) and `path` ("hooks" | "alias" | "shards" | "full" | "layered" | "tp").
     """
 
     def __init__(self, engine, *, enable_hybrid_engine: bool, mode: str = "full",
@@ -76,7 +84,7 @@ class HybridActor:
                  inference_dtype=None, use_fast_decode: Optional[bool] = None,
                  scheduler: Optional[GatherScheduler] = None, max_prompt_len: int,
                  max_new_tokens: int, seed: int = 1234, owner: str = "actor",
-                 inference_tp_size: int = 1):
+                 inference_tp_size: int = 1, shard_views: bool = True):
         if mode not in MODES:
             raise UserInputError(f"hybrid actor mode must be one of {MODES} "
                                  f"(--unpin_actor_parameters selects 'layered'), got {mode!r}")
@@ -93,6 +101,8 @@ class HybridActor:
         self.tp_gather_partition_size = int(tp_gather_partition_size)
         self.release_inference_cache_after_rollout = bool(release_inference_cache)
         self.use_fast_decode = use_fast_decode
+        self.shard_views = bool(shard_views)     # False: a copied replica even on one rank
+        self._shard_views_reason: Optional[str] = None
         self.scheduler = scheduler or get_scheduler()
         self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
         self.owner = owner
@@ -133,17 +143,33 @@ class HybridActor:
 
     @property
     def path(self) -> str:
-        """What generation runs on: "hooks" (hybrid off), "alias", "full", "layered" or "tp"."""
+        """What generation runs on: "hooks" (hybrid off), "alias", "shards", "full",
+        "layered" or "tp"."""
         if not self.enable_hybrid_engine:
             return "hooks"
         if self._tp is not None:
             return "tp"
+        if self.zero3 and self._shard_views_usable():
+            return "shards"
         if self.mode == "layered" and self.zero3:
             return "layered"
         if (not self.zero3 and not self.is_peft and self.inference_dtype == self.train_dtype
                 and self.device.type == next(self.module.parameters()).device.type):
             return "alias"
         return "full"
+
+    def _shard_views_usable(self) -> bool:
+        """ZeRO-3 on one rank with views of the shards as the replica (checked once)."""
+        if not self.shard_views or self.world_size != 1 or self.is_peft \
+                or self.inference_dtype != self.train_dtype:
+            return False
+        if self._shard_views_reason is None:
+            self._shard_views_reason = shard_views_unsupported_reason(
+                self.module, self.inference_dtype, self.device) or ""
+            if self._shard_views_reason:
+                self._log_once("shards", f"HybridActor: a copied replica; views of the ZeRO-3 shards "
+                                         f"are not usable: {self._shard_views_reason}")
+        return not self._shard_views_reason
 
     def mark_weights_updated(self) -> None:
         """The trainer calls this after each optimizer step (on every rank)."""
@@ -169,6 +195,9 @@ class HybridActor:
         if path == "alias":
             self._sync_alias()
             return self.hf
+        if path == "shards":
+            self._ensure_shard_views()
+            return self._replica
         self._ensure_filled(path)
         return self._layered.model if path == "layered" else self._replica
 
@@ -180,6 +209,24 @@ class HybridActor:
             if self._fast is not None:
                 self._fast.refresh()
             self._filled_key = key
+
+    def _ensure_shard_views(self) -> None:
+        """Build the views once (again if a shard moved); after a step only the fast
+        decoder's derived tensors need rebuilding, as for the alias."""
+        if self._replica is None or not shard_views_current(self._replica):
+            if self._replica is not None:
+                self._log_once("shards-moved", "HybridActor: a ZeRO-3 shard moved; replica views rebuilt")
+            self._replica = build_shard_view_replica(self.module)
+            self._filled_key = None
+            self._stats["gen/builds"] += 1
+        key = self._weights_key()
+        if self._filled_key != key:
+            t0 = time.perf_counter()
+            if self._fast is not None:
+                self._fast.refresh()
+            self._filled_key = key
+            self._stats["gen/fill_seconds"] += time.perf_counter() - t0
+            self._stats["gen/refills"] += 1
 
     def _ensure_filled(self, path: str) -> None:
         """Build the replica once; refill it when the weights changed since the last fill."""
@@ -281,7 +328,7 @@ class HybridActor:
 
     def _fast_generator(self, model, path: str, prompt_len: int, max_new_tokens: int):
         """The fast decoder for the replica, or None (reason logged once) for HF generate."""
-        if path not in ("full", "alias") or self.use_fast_decode is False:
+        if path not in ("full", "alias", "shards") or self.use_fast_decode is False:
             return None
         if prompt_len > self.max_prompt_len or max_new_tokens > self.max_new_tokens:
             self._log_once("fast-shape", f"fast decode skipped: prompt {prompt_len} / new tokens "
