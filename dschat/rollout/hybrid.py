@@ -217,6 +217,8 @@ class HybridActor:
             if self._replica is not None:
                 self._log_once("shards-moved", "HybridActor: a ZeRO-3 shard moved; replica views rebuilt")
             self._replica = build_shard_view_replica(self.module)
+            self._log_once("shards-built", "HybridActor: ZeRO-3 on one rank; generation reads the shards "
+                                           "themselves (no replica copy, no refill)")
             self._filled_key = None
             self._stats["gen/builds"] += 1
         key = self._weights_key()
