@@ -15,7 +15,8 @@
 #   optimizer states 60% on the host, LoRA, and hybrid off (offloaded) for 3 steps
 # step3offload: bloom-560m with the replica as views of the shards and copied, then bloom-7b1 full
 #   fine-tuning, both trained models checkpointed, at offload ratios $OFFLOAD_RATIOS (default
-#   0.35 0.25; the first also with pageable host buffers and hybrid off)
+#   0.35 0.25; the first also with pageable host buffers and hybrid off, the others also with the
+#   reference's weights on the host)
 # step3fam: step 3 (fast path, 3 steps) with a GPT-NeoX, a LLaMA (grouped-query) and a GPT-2
 #   actor and critic, each at ZeRO-3 on one GPU
 # decode: the attention and linear kernel sweeps, then the off-by-default candidates end to end
@@ -59,6 +60,7 @@ elif [ "$what" = step3offload ]; then
   for r in ${OFFLOAD_RATIOS:-0.35 0.25}; do
     modes=("ours fast, optimizer offloaded, checkpointed, pinned")
     [ $first = 1 ] && modes+=("ours fast, optimizer offloaded, checkpointed" "hybrid off, optimizer offloaded, checkpointed")
+    [ $first = 0 ] && modes+=("ours fast, optimizer offloaded, checkpointed, pinned, reference offloaded")
     first=0
     python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 12 --warmup 3 \
       --hybrid_off_steps 3 --offload_ratio $r --modes "${modes[@]}" \

@@ -62,6 +62,11 @@ MODES = {
                                                              "--offload_optimizer_only", "--offload_pin_memory",
                                                              "--actor_gradient_checkpointing",
                                                              "--critic_gradient_checkpointing"],
+    # the same with the frozen reference's weights on the host, streamed in for its forward: the
+    # GPU memory it frees holds more of the optimizer there
+    "ours fast, optimizer offloaded, checkpointed, pinned, reference offloaded": [
+        "--enable_hybrid_engine", "--offload", "--offload_optimizer_only", "--offload_pin_memory",
+        "--actor_gradient_checkpointing", "--critic_gradient_checkpointing", "--offload_reference_model"],
     # the same without the hybrid engine (generation through DeepSpeed's ZeRO-3 hooks)
     "hybrid off, optimizer offloaded": ["--offload", "--offload_optimizer_only"],
     "hybrid off, optimizer offloaded, checkpointed": ["--offload", "--offload_optimizer_only",
@@ -71,6 +76,7 @@ MODES = {
 }
 OFFLOADED = ("ours fast, optimizer offloaded", "ours fast, optimizer offloaded, pinned",
              "ours fast, optimizer offloaded, checkpointed", "ours fast, optimizer offloaded, checkpointed, pinned",
+             "ours fast, optimizer offloaded, checkpointed, pinned, reference offloaded",
              "hybrid off, optimizer offloaded", "hybrid off, optimizer offloaded, checkpointed")
 MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"},
             "ours fast, replica copied": {"DSCHAT_COPY_REPLICA": "1"}}
