@@ -17,6 +17,7 @@
 #   fine-tuning, both trained models checkpointed, at offload ratios $OFFLOAD_RATIOS (default
 #   0.35 0.25; the first also with pageable host buffers and hybrid off, the others also with the
 #   reference's weights on the host)
+# shards: bloom-560m step 3 with the actor's replica as views of its shards against a copied one
 # step3fam: step 3 (fast path, 3 steps) with a GPT-NeoX, a LLaMA (grouped-query) and a GPT-2
 #   actor and critic, each at ZeRO-3 on one GPU
 # decode: the attention and linear kernel sweeps, then the off-by-default candidates end to end
@@ -54,8 +55,7 @@ elif [ "$what" = step3offload ]; then
   # fine-tuning at bloom-7b1 with both trained models checkpointed and more of the optimizer on the
   # GPU (OFFLOAD_RATIOS, host share of the optimizer states), 12 steps each; the first ratio
   # also with pageable host buffers and hybrid off, the others pinned only
-  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast" \
-    "ours fast, replica copied" --out "$out/step3_shards.md" 2>&1 | grep --line-buffered -v -i warn
+  bash benchmarks/device_run.sh shards "$out"
   first=1
   for r in ${OFFLOAD_RATIOS:-0.35 0.25}; do
     modes=("ours fast, optimizer offloaded, checkpointed, pinned")
@@ -66,6 +66,9 @@ elif [ "$what" = step3offload ]; then
       --hybrid_off_steps 3 --offload_ratio $r --modes "${modes[@]}" \
       --out "$out/step3_offload.md" 2>&1 | grep --line-buffered -v -i warn
   done
+elif [ "$what" = shards ]; then
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast" \
+    "ours fast, replica copied" --out "$out/step3_shards.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = largest ]; then
   # LoRA rows first (they fit an 80 GB card); LARGEST_FULL=0 leaves out LLaMA-7B full fine-tuning,
   # whose two 7B copies, replica and TinyLlama critic need more than 80 GB (an H200)
