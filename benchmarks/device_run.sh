@@ -15,7 +15,7 @@
 #   optimizer states 60% on the host, LoRA, and hybrid off (offloaded) for 3 steps
 # step3offload: bloom-560m with the replica as views of the shards and copied, then bloom-7b1 full
 #   fine-tuning, both trained models checkpointed, at offload ratios $OFFLOAD_RATIOS (default
-#   0.35 0.25; the first also with pageable host buffers and hybrid off, the others also with the
+#   0.25 0.15; the first also with pageable host buffers and hybrid off, the others also with the
 #   reference's weights on the host)
 # shards: bloom-560m step 3 with the actor's replica as views of its shards against a copied one
 # step3fam: step 3 (fast path, 3 steps) with a GPT-NeoX, a LLaMA (grouped-query) and a GPT-2
@@ -57,7 +57,7 @@ elif [ "$what" = step3offload ]; then
   # also with pageable host buffers and hybrid off, the others pinned only
   bash benchmarks/device_run.sh shards "$out"
   first=1
-  for r in ${OFFLOAD_RATIOS:-0.35 0.25}; do
+  for r in ${OFFLOAD_RATIOS:-0.25 0.15}; do
     modes=("ours fast, optimizer offloaded, checkpointed, pinned")
     [ $first = 1 ] && modes+=("ours fast, optimizer offloaded, checkpointed" "hybrid off, optimizer offloaded, checkpointed")
     [ $first = 0 ] && modes+=("ours fast, optimizer offloaded, checkpointed, pinned, reference offloaded")

@@ -77,7 +77,8 @@ def test_offload_knobs_in_the_deepspeed_config():
     assert zero(offload=True, offload_params=False)["offload_param"] == {"device": "none"}
     partial = zero(offload=True, offload_ratio=0.6)
     assert partial["offload_optimizer"] == {"device": "cpu", "ratio": 0.6}
-    assert partial["offload_param"] == {"device": "none"}
+    assert partial["offload_param"] == {"device": "none"} and partial["sub_group_size"] == 2e8
+    assert "sub_group_size" not in zero(offload=True)      # DeepSpeed's default without a ratio
     assert zero()["offload_optimizer"] == {"device": "none"} and zero()["offload_param"] == {"device": "none"}
     pinned = zero(offload=True, offload_params=False, offload_pin_memory=True)
     assert pinned["offload_optimizer"] == {"device": "cpu", "pin_memory": True}

@@ -99,7 +99,7 @@ def add_offload_args(g, offload_help: str) -> None:
                         "fetching every parameter from host memory in each forward and backward.")
     g.add_argument("--offload_ratio", type=float, default=1.0,
                    help="With --offload at ZeRO-3: the share of the optimizer states kept and updated on "
-                        "the CPU (DeepSpeed's partial offload, in sub-groups of 1e9 parameters); the rest "
+                        "the CPU (DeepSpeed's partial offload, in sub-groups of 2e8 parameters); the rest "
                         "stays on the GPU. Below 1 the parameters stay on the GPU. For a model whose 16 "
                         "bytes/param of training state fit neither the GPU nor the host alone.")
     g.add_argument("--offload_pin_memory", action="store_true",

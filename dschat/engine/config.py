@@ -21,13 +21,17 @@ def _precision_section(dtype: str) -> dict:
     raise ValueError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
 
 
+PARTIAL_OFFLOAD_SUB_GROUP = int(2e8)   # parameters per optimizer sub-group under --offload_ratio < 1
+
+
 def _zero_section(stage: int, offload: bool, *, persistence_threshold: float,
                   max_live_parameters: float, prefetch_bucket_size: float,
                   offload_params: bool = True, offload_ratio: float = 1.0, pin_memory: bool = False) -> dict:
     optimizer = {"device": "cpu" if offload else "none"}
     if offload and pin_memory:
         optimizer["pin_memory"] = True
-    if offload and offload_ratio < 1.0:
+    partial = offload and offload_ratio < 1.0
+    if partial:
         # DeepSpeed's partial offload (ZeRO-3): this share of the optimizer's sub-groups on
         # the CPU (DeepSpeedCPUAdam), the rest updated on the GPU
         optimizer["ratio"] = offload_ratio
@@ -45,6 +49,10 @@ def _zero_section(stage: int, offload: bool, *, persistence_threshold: float,
         "stage3_prefetch_bucket_size": prefetch_bucket_size,
         "memory_efficient_linear": False,
     }
+    if partial:
+        # the ratio picks whole sub-groups: DeepSpeed's 1e9-parameter ones round a 7B model's
+        # split to eighths (and each holds a 4 GB fp32 gradient while it steps)
+        zero["sub_group_size"] = PARTIAL_OFFLOAD_SUB_GROUP
     return zero
 
 
