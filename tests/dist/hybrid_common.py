@@ -175,6 +175,22 @@ def write_results(results: dict, rank: int) -> None:
         json.dump(results, f, indent=1, default=str)
 
 
+def run_scenarios(scenarios, results: dict, rank: int) -> None:
+    """Run each (name, fn) into results[name] with its seconds; on an error write what was
+    gathered so far (the error under name) and raise."""
+    import traceback
+    for name, fn in scenarios:
+        timer = Timer()
+        try:
+            results[name] = fn()
+            results[name]["seconds"] = timer()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            write_results(results, rank)
+            raise
+    write_results(results, rank)
+
+
 class Timer:
     def __init__(self):
         self.t0 = time.perf_counter()

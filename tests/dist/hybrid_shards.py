@@ -7,7 +7,6 @@ Writes PATH.rank0.json with one entry per scenario.
 from __future__ import annotations
 
 import copy
-import traceback
 
 import torch
 
@@ -93,16 +92,7 @@ def main():
                  ("llama_fast", lambda: views_case("llama", fast=True, persistence=0)),
                  ("opt_persistent", lambda: views_case("opt", fast=False, persistence=10 ** 6)),
                  ("fallback", fallback_case)]
-    for name, fn in scenarios:
-        timer = hc.Timer()
-        try:
-            results[name] = fn()
-            results[name]["seconds"] = timer()
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-            hc.write_results(results, rank)
-            raise
-    hc.write_results(results, rank)
+    hc.run_scenarios(scenarios, results, rank)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import math
-import traceback
 
 import torch
 
@@ -167,16 +166,7 @@ def main():
     scenarios = [("stage0", lambda: low_stage(0, False, rank)), ("stage2", lambda: low_stage(2, False, rank)),
                  ("stage2_lora", lambda: low_stage(2, True, rank)), ("offload", lambda: offload_case(rank)),
                  ("gathered", lambda: gathered_case(rank))]
-    for name, fn in scenarios:
-        timer = hc.Timer()
-        try:
-            results[name] = fn()
-            results[name]["seconds"] = timer()
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-            hc.write_results(results, rank)
-            raise
-    hc.write_results(results, rank)
+    hc.run_scenarios(scenarios, results, rank)
 
 
 if __name__ == "__main__":
