@@ -64,6 +64,9 @@ MODES = {
                                                              "--critic_gradient_checkpointing"],
     # the same with the frozen reference's weights on the host, streamed in for its forward: the
     # GPU memory it frees holds more of the optimizer there
+    "ours fast, optimizer offloaded, checkpointed, reference offloaded": [
+        "--enable_hybrid_engine", "--offload", "--offload_optimizer_only",
+        "--actor_gradient_checkpointing", "--critic_gradient_checkpointing", "--offload_reference_model"],
     "ours fast, optimizer offloaded, checkpointed, pinned, reference offloaded": [
         "--enable_hybrid_engine", "--offload", "--offload_optimizer_only", "--offload_pin_memory",
         "--actor_gradient_checkpointing", "--critic_gradient_checkpointing", "--offload_reference_model"],
@@ -76,6 +79,7 @@ MODES = {
 }
 OFFLOADED = ("ours fast, optimizer offloaded", "ours fast, optimizer offloaded, pinned",
              "ours fast, optimizer offloaded, checkpointed", "ours fast, optimizer offloaded, checkpointed, pinned",
+             "ours fast, optimizer offloaded, checkpointed, reference offloaded",
              "ours fast, optimizer offloaded, checkpointed, pinned, reference offloaded",
              "hybrid off, optimizer offloaded", "hybrid off, optimizer offloaded, checkpointed")
 MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"},
