@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One run of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
 # on the GPU machine with the wheels of benchmarks/GPU_SETUP.md in .whl/:
-#   bash benchmarks/device_run.sh gen|check|step3|step3modes|step3big|presets|step3fam|decode|profile7b|start|trl OUT_DIR
-# largest: the largest actors step 3 trains on one GPU: OPT-13B (LoRA) with an OPT-350m critic,
-#   LLaMA-7B (LoRA; full fine-tuning with 60% of the optimizer on the host, left out with
-#   LARGEST_FULL=0 on 80 GB cards) with a TinyLlama critic
+#   bash benchmarks/device_run.sh MODE OUT_DIR     (MODE: one of the names below)
+# largest: the largest actors step 3 trains on one GPU: OPT-13B with an OPT-350m critic, LLaMA-7B
+#   with a TinyLlama critic, LoRA; then (left out with LARGEST_FULL=0 on 80 GB cards) full
+#   fine-tuning: LLaMA-7B with 25% of the optimizer on the host, OPT-13B with 55% of it and the
+#   reference's weights there
 # presets: every one-GPU preset through steps 1-3, 5 steps each, smallest first (presets_run.py);
 #   PRESETS="a b" runs those, in that order
 # check: the CUDA tests (kernels against their references, graph replay against HF, refill,
