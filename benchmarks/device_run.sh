@@ -18,6 +18,7 @@
 #   fine-tuning, both trained models checkpointed, at offload ratios $OFFLOAD_RATIOS (default
 #   0.25 0.15; the first also with pageable host buffers and hybrid off, the others also with the
 #   reference's weights on the host)
+# step3offload1: the replica A/B, then bloom-7b1 at one ratio ($OFFLOAD_RATIO, 0.25) beside hybrid off
 # shards: bloom-560m step 3 with the actor's replica as views of its shards against a copied one
 # step3fam: step 3 (fast path, 3 steps) with a GPT-NeoX, a LLaMA (grouped-query) and a GPT-2
 #   actor and critic, each at ZeRO-3 on one GPU
@@ -67,6 +68,13 @@ elif [ "$what" = step3offload ]; then
       --hybrid_off_steps 3 --offload_ratio $r --modes "${modes[@]}" \
       --out "$out/step3_offload.md" 2>&1 | grep --line-buffered -v -i warn
   done
+elif [ "$what" = step3offload1 ]; then
+  # the short form for a short lease: the replica A/B, then bloom-7b1 at OFFLOAD_RATIO (0.25),
+  # checkpointed and pinned, beside hybrid off
+  bash benchmarks/device_run.sh shards "$out"
+  python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 10 --warmup 3 \
+    --hybrid_off_steps 3 --offload_ratio ${OFFLOAD_RATIO:-0.25} --modes "ours fast, optimizer offloaded, checkpointed, pinned" \
+    "hybrid off, optimizer offloaded, checkpointed" --out "$out/step3_offload.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = shards ]; then
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast" \
     "ours fast, replica copied" --out "$out/step3_shards.md" 2>&1 | grep --line-buffered -v -i warn
