@@ -79,14 +79,14 @@ elif [ "$what" = shards ]; then
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast" \
     "ours fast, replica copied" --out "$out/step3_shards.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = largest ]; then
-  # LoRA rows first (they fit an 80 GB card); LARGEST_FULL=0 leaves out full fine-tuning (an H200):
+  # LoRA rows first, checkpointed (without, both ran out of an 80 GB card); LARGEST_FULL=0 leaves out full fine-tuning (an H200):
   # LLaMA-7B, and OPT-13B, whose 16 bytes/param of training state (206 GB) plus its reference fit
   # only split between the GPU (weights, gradients, 45% of the optimizer) and the host (55% of the
   # optimizer, 85 GB; the reference's weights, 26 GB)
   python3 benchmarks/step3.py --preset opt-13b --critic_preset opt-350m --batch 8 --steps 6 --warmup 2 \
-    --modes "ours fast, LoRA" --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
+    --modes "ours fast, LoRA, checkpointed" --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
   python3 benchmarks/step3.py --preset llama-7b --critic_preset tinyllama-1.1b --batch 8 --steps 10 --warmup 3 \
-    --modes "ours fast, LoRA" --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
+    --modes "ours fast, LoRA, checkpointed" --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
   if [ "${LARGEST_FULL:-1}" = 1 ]; then
     python3 benchmarks/step3.py --preset llama-7b --critic_preset tinyllama-1.1b --batch 8 --steps 10 --warmup 3 \
       --offload_ratio 0.25 --modes "ours fast, optimizer offloaded, checkpointed, pinned" \

@@ -122,7 +122,7 @@ CASES = {
                      "--max_nonfinite_in_a_row must be >= 1", "./no/such.jsonl: no such file"]),
     "flags_step2": (2, lambda p, o: step2(p, o, "--lora_dim", "4", "--only_optimize_lora", "--gradient_checkpointing",
                                           "--num_padding_at_beginning", "-1", "--keep_last", "-2", "--dropout", "1.5"),
-                    ["cannot be combined", "--num_padding_at_beginning must be >= 0", "--keep_last must be >= 0",
+                    ["--num_padding_at_beginning must be >= 0", "--keep_last must be >= 0",
                      "--dropout must be in [0, 1)"]),
     "flags_step3": (3, lambda p, o: step3(p, o, "--per_device_training_batch_size", "3", "--offload_reference_model",
                                           "--actor_lora_module_name", "h.", "--top_p", "1.5",

@@ -141,9 +141,6 @@ def sft_problems(args) -> list[str]:
     out += _lora("", args.lora_dim, args.lora_module_name)
     if args.lora_dim == 0 and args.only_optimize_lora:
         out.append("--only_optimize_lora needs --lora_dim > 0")
-    if args.only_optimize_lora and args.gradient_checkpointing:
-        out.append("--only_optimize_lora and --gradient_checkpointing cannot be combined "
-                   "(no input requires grad, as upstream)")
     if args.output_dir is None:
         out.append("--output_dir is required")
     elif args.model_name_or_path and _same_path(args.output_dir, args.model_name_or_path):
