@@ -96,11 +96,11 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
 
     hooks = args.zero3_hook_granularity
     if dist.get_world_size() == 1 and 3 in (args.actor_zero_stage, args.critic_zero_stage) and not args.offload:
-        # measured at bloom-560m on one H200 (benchmarks/RESULTS.md, table 3): 22% of the step, more memory
-        print_rank_0("note: ZeRO-3 on one GPU partitions nothing, and its hooks and fetches cost time (22% of "
-                     "a PPO step at bloom-560m with all four models at ZeRO-3); the frozen models run "
-                     "unpartitioned here, and --actor_zero_stage 2 --critic_zero_stage 2 (or 0) train the same "
-                     "models faster in less memory unless parameters are offloaded")
+        # measured at bloom-560m on one H100 (benchmarks/RESULTS.md, table 3): same speed, 4 GiB more
+        print_rank_0("note: ZeRO-3 on one GPU partitions nothing: the frozen models run unpartitioned and the "
+                     "actor generates from its own shards here, at ZeRO-2's speed; --actor_zero_stage 2 "
+                     "--critic_zero_stage 2 (or 0) train the same models in less memory (35.3 against 39.3 GiB "
+                     "at bloom-560m) unless parameters are offloaded")
     # actor
     actor = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=actor_cfg,
                             dropout=args.actor_dropout, seed=args.seed)
