@@ -153,6 +153,7 @@ def build_models(preset: str, critic_preset: str, root: Path) -> tuple[Path, Pat
         with torch.device(device):
             backbone = AutoModel.from_config(config_of(critic_preset), dtype=dtype)
         save_reward_model(RewardModel(backbone, pad_token_id=tokenizer.pad_token_id), tokenizer, critic_dir)
+        del backbone     # else it stays on the GPU beside every mode's run (2.2 GB at TinyLlama-1.1B)
     if on_gpu:
         torch.cuda.empty_cache()
     return actor_dir, critic_dir
