@@ -64,7 +64,8 @@ def add_model_train_args(parser: argparse.ArgumentParser, *, learning_rate: floa
     g.add_argument("--seed", type=int, default=1234, help="Seed for data split, init and sampling.")
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
     g.add_argument("--gradient_checkpointing", action="store_true",
-                   help="Recompute activations in backward to save memory.")
+                   help="Recompute activations in backward to save memory (with --only_optimize_lora too, "
+                        "which upstream refuses).")
     g.add_argument("--dropout", type=float, default=None,
                    help="Set every dropout of the model to this value (default: keep the model's).")
     add_offload_args(g, "ZeRO-Offload: optimizer state (and at stage 3 parameters) in CPU memory.")
