@@ -180,7 +180,8 @@ def test_frozen_models_unpartitioned_on_one_rank(sft_and_rm, tmp_path):
     proc = run_deepspeed(STEP3, step3_args(sft_and_rm, default, 3, ["--enable_hybrid_engine"]), num_gpus=1)
     log = proc.stdout + proc.stderr
     assert "reference engine ready (ZeRO-0)" in log and "reward engine ready (ZeRO-0)" in log, log[-3000:]
-    assert "the frozen models run unpartitioned here" in log
+    assert "the frozen models run unpartitioned and the actor generates from its own shards" in log
+    assert "generation reads the shards themselves" in log      # the actor's replica: views, no copy
     proc = run_deepspeed(STEP3, step3_args(sft_and_rm, upstream, 3, ["--enable_hybrid_engine", "--reference_zero_stage",
                                                                       "3", "--reward_zero_stage", "3"]), num_gpus=1)
     assert "reference engine ready (ZeRO-3)" in proc.stdout + proc.stderr
