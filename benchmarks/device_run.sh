@@ -33,6 +33,11 @@ what=${1:-gen}; out=${2:-/tmp/bench_out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 nvidia-smi -L
+# bloom-560m step 3 with the actor's replica as views of its shards against a copied one
+shards_ab() {
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast" \
+    "ours fast, replica copied" --out "$out/step3_shards.md" 2>&1 | grep --line-buffered -v -i warn
+}
 if [ "$what" = gen ]; then
   python3 benchmarks/generation.py --models bloom-560m --batch 16 --layered --out "$out/gen" 2>&1 | grep --line-buffered -v -i warn
   python3 benchmarks/generation.py --models bloom-560m --batch 1 64 --modes hf unwrap generic fast --out "$out/gen" 2>&1 | grep --line-buffered -v -i warn
@@ -57,7 +62,7 @@ elif [ "$what" = step3offload ]; then
   # fine-tuning at bloom-7b1 with both trained models checkpointed and more of the optimizer on the
   # GPU (OFFLOAD_RATIOS, host share of the optimizer states), 12 steps each; the first ratio
   # also with pageable host buffers and hybrid off, the others pinned only
-  bash benchmarks/device_run.sh shards "$out"
+  shards_ab
   first=1
   for r in ${OFFLOAD_RATIOS:-0.25 0.15}; do
     modes=("ours fast, optimizer offloaded, checkpointed, pinned")
@@ -71,13 +76,12 @@ elif [ "$what" = step3offload ]; then
 elif [ "$what" = step3offload1 ]; then
   # the short form for a short lease: the replica A/B, then bloom-7b1 at OFFLOAD_RATIO (0.25),
   # checkpointed and pinned, beside hybrid off
-  bash benchmarks/device_run.sh shards "$out"
+  shards_ab
   python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 10 --warmup 3 \
     --hybrid_off_steps 3 --offload_ratio ${OFFLOAD_RATIO:-0.25} --modes "ours fast, optimizer offloaded, checkpointed, pinned" \
     "hybrid off, optimizer offloaded, checkpointed" --out "$out/step3_offload.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = shards ]; then
-  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast" \
-    "ours fast, replica copied" --out "$out/step3_shards.md" 2>&1 | grep --line-buffered -v -i warn
+  shards_ab
 elif [ "$what" = largest ]; then
   # LoRA rows first, checkpointed (without, both ran out of an 80 GB card); LARGEST_FULL=0 leaves out full fine-tuning (an H200):
   # LLaMA-7B, and OPT-13B, whose 16 bytes/param of training state (206 GB) plus its reference fit

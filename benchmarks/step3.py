@@ -26,66 +26,55 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# flags the modes below combine
+HYBRID = ["--enable_hybrid_engine"]
+CHECKPOINTED = ["--actor_gradient_checkpointing", "--critic_gradient_checkpointing"]
+OPTIMIZER_OFFLOADED = ["--offload", "--offload_optimizer_only"]
+PINNED = ["--offload_pin_memory"]
+REFERENCE_OFFLOADED = ["--offload_reference_model"]
+LORA = ["--actor_lora_dim", "128", "--only_optimize_lora"]
+
 MODES = {
     "hybrid off": [],
-    "ours generic": ["--enable_hybrid_engine", "--disable_fast_decode"],
-    "ours fast": ["--enable_hybrid_engine"],
+    "ours generic": HYBRID + ["--disable_fast_decode"],
+    "ours fast": HYBRID,
     # DeepSpeed's own ZeRO-3 hooks on every linear and norm (before: one per transformer block)
-    "ours fast, per-module hooks": ["--enable_hybrid_engine", "--zero3_hook_granularity", "module"],
+    "ours fast, per-module hooks": HYBRID + ["--zero3_hook_granularity", "module"],
     # reference and reward whole on every GPU (ZeRO-0) while actor and critic stay at ZeRO-3
-    "ours fast, frozen unsharded": ["--enable_hybrid_engine", "--reference_zero_stage", "0",
-                                    "--reward_zero_stage", "0"],
+    "ours fast, frozen unsharded": HYBRID + ["--reference_zero_stage", "0", "--reward_zero_stage", "0"],
     # the LM head over every column in scoring and training (before: the answer's only)
-    "ours fast, full-width LM head": ["--enable_hybrid_engine"],
+    "ours fast, full-width LM head": HYBRID,
     # activation checkpointing of both trained models: peak memory against recomputation
-    "ours fast, checkpointed": ["--enable_hybrid_engine", "--actor_gradient_checkpointing",
-                                "--critic_gradient_checkpointing"],
+    "ours fast, checkpointed": HYBRID + CHECKPOINTED,
+    # a copied inference replica of the actor where (one rank, ZeRO-3) views of its shards serve
+    "ours fast, replica copied": HYBRID,
     # ZeRO-2 (and ZeRO-0) at world size 1: what ZeRO-3's hooks, fetches and partitioned
     # optimizer step cost where there is nothing to partition (generation on the live weights)
-    # a copied inference replica of the actor where (one rank, ZeRO-3) views of its shards serve
-    "ours fast, replica copied": ["--enable_hybrid_engine"],
-    "ours fast, ZeRO-2": ["--enable_hybrid_engine", "--actor_zero_stage", "2", "--critic_zero_stage", "2"],
-    "ours fast, ZeRO-0": ["--enable_hybrid_engine", "--actor_zero_stage", "0", "--critic_zero_stage", "0"],
+    "ours fast, ZeRO-2": HYBRID + ["--actor_zero_stage", "2", "--critic_zero_stage", "2"],
+    "ours fast, ZeRO-0": HYBRID + ["--actor_zero_stage", "0", "--critic_zero_stage", "0"],
     # full fine-tuning of an actor whose training state outgrows one GPU: the parameters stay
-    # on the GPU, --offload_ratio of the optimizer states go to host memory (DeepSpeedCPUAdam)
-    "ours fast, optimizer offloaded": ["--enable_hybrid_engine", "--offload", "--offload_optimizer_only"],
-    # LoRA (rank 128) on the actor's linears, base weights frozen; the critic trains in full
-    # the same with page-locked host buffers for the offloaded state
-    "ours fast, optimizer offloaded, pinned": ["--enable_hybrid_engine", "--offload", "--offload_optimizer_only",
-                                               "--offload_pin_memory"],
-    # the same with both trained models' activations recomputed: the memory they free holds
-    # more of the optimizer on the GPU (a lower --offload_ratio)
-    "ours fast, optimizer offloaded, checkpointed": ["--enable_hybrid_engine", "--offload", "--offload_optimizer_only",
-                                                     "--actor_gradient_checkpointing",
-                                                     "--critic_gradient_checkpointing"],
-    "ours fast, optimizer offloaded, checkpointed, pinned": ["--enable_hybrid_engine", "--offload",
-                                                             "--offload_optimizer_only", "--offload_pin_memory",
-                                                             "--actor_gradient_checkpointing",
-                                                             "--critic_gradient_checkpointing"],
-    # the same with the frozen reference's weights on the host, streamed in for its forward: the
-    # GPU memory it frees holds more of the optimizer there
-    "ours fast, optimizer offloaded, checkpointed, reference offloaded": [
-        "--enable_hybrid_engine", "--offload", "--offload_optimizer_only",
-        "--actor_gradient_checkpointing", "--critic_gradient_checkpointing", "--offload_reference_model"],
-    "ours fast, optimizer offloaded, checkpointed, pinned, reference offloaded": [
-        "--enable_hybrid_engine", "--offload", "--offload_optimizer_only", "--offload_pin_memory",
-        "--actor_gradient_checkpointing", "--critic_gradient_checkpointing", "--offload_reference_model"],
+    # on the GPU, --offload_ratio of the optimizer states go to host memory (DeepSpeedCPUAdam);
+    # "pinned": page-locked host buffers for the offloaded state; "checkpointed": the memory the
+    # recomputed activations free holds more of the optimizer on the GPU (a lower ratio);
+    # "reference offloaded": the frozen reference's weights on the host too, streamed in for its
+    # forward
+    "ours fast, optimizer offloaded": HYBRID + OPTIMIZER_OFFLOADED,
+    "ours fast, optimizer offloaded, pinned": HYBRID + OPTIMIZER_OFFLOADED + PINNED,
+    "ours fast, optimizer offloaded, checkpointed": HYBRID + OPTIMIZER_OFFLOADED + CHECKPOINTED,
+    "ours fast, optimizer offloaded, checkpointed, pinned": HYBRID + OPTIMIZER_OFFLOADED + PINNED + CHECKPOINTED,
+    "ours fast, optimizer offloaded, checkpointed, reference offloaded":
+        HYBRID + OPTIMIZER_OFFLOADED + CHECKPOINTED + REFERENCE_OFFLOADED,
+    "ours fast, optimizer offloaded, checkpointed, pinned, reference offloaded":
+        HYBRID + OPTIMIZER_OFFLOADED + PINNED + CHECKPOINTED + REFERENCE_OFFLOADED,
     # the same without the hybrid engine (generation through DeepSpeed's ZeRO-3 hooks)
-    "hybrid off, optimizer offloaded": ["--offload", "--offload_optimizer_only"],
-    "hybrid off, optimizer offloaded, checkpointed": ["--offload", "--offload_optimizer_only",
-                                                      "--actor_gradient_checkpointing",
-                                                      "--critic_gradient_checkpointing"],
-    "ours fast, LoRA": ["--enable_hybrid_engine", "--actor_lora_dim", "128", "--only_optimize_lora"],
-    # the same with both trained models' activations recomputed (a 7B LoRA actor's activations
-    # at 8 x 512 tokens do not fit beside it on an 80 GB card)
-    "ours fast, LoRA, checkpointed": ["--enable_hybrid_engine", "--actor_lora_dim", "128", "--only_optimize_lora",
-                                      "--actor_gradient_checkpointing", "--critic_gradient_checkpointing"],
+    "hybrid off, optimizer offloaded": OPTIMIZER_OFFLOADED,
+    "hybrid off, optimizer offloaded, checkpointed": OPTIMIZER_OFFLOADED + CHECKPOINTED,
+    # LoRA (rank 128) on the actor's linears, base weights frozen; the critic trains in full;
+    # checkpointed: a 7B LoRA actor's activations at 8 x 512 tokens do not fit beside it on 80 GB
+    "ours fast, LoRA": HYBRID + LORA,
+    "ours fast, LoRA, checkpointed": HYBRID + LORA + CHECKPOINTED,
 }
-OFFLOADED = ("ours fast, optimizer offloaded", "ours fast, optimizer offloaded, pinned",
-             "ours fast, optimizer offloaded, checkpointed", "ours fast, optimizer offloaded, checkpointed, pinned",
-             "ours fast, optimizer offloaded, checkpointed, reference offloaded",
-             "ours fast, optimizer offloaded, checkpointed, pinned, reference offloaded",
-             "hybrid off, optimizer offloaded", "hybrid off, optimizer offloaded, checkpointed")
+OFFLOADED = tuple(m for m in MODES if "optimizer offloaded" in m)
 MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"},
             "ours fast, replica copied": {"DSCHAT_COPY_REPLICA": "1"}}
 

@@ -460,7 +460,7 @@ def _fill_nbytes(params: list, plan: Optional[DirectPlan]) -> int:
 # --------------------------------------------------------------------- replicas
 
 def _materialize(model: nn.Module, src: nn.Module, dtype: torch.dtype, device: torch.device,
-                 slot_of: Callable[[str], Optional[str]],
+                 slot_of: Optional[Callable[[str], Optional[str]]] = None,
                  tensor_of: Optional[Callable[[str], torch.Tensor]] = None) -> None:
     """Give a meta-built `model` real tensors: parameters empty in `dtype` (shared ones
     stay shared; `slot_of(name)` maps block params onto shared slot tensors), or the
@@ -477,7 +477,7 @@ def _materialize(model: nn.Module, src: nn.Module, dtype: torch.dtype, device: t
                 continue
             pdtype = dtype if p.is_floating_point() else p.dtype
             name = f"{mod_name}.{key}" if mod_name else key
-            slot = slot_of(name)
+            slot = slot_of(name) if slot_of is not None else None
             if tensor_of is not None:
                 tensor = tensor_of(name)
             elif slot is not None:
@@ -624,7 +624,7 @@ def build_shard_view_replica(src_module: nn.Module) -> nn.Module:
         return view
 
     device = _live_tensor(next(hf.parameters())).device
-    _materialize(replica, hf, _infer_dtype(hf), device, lambda name: None, tensor_of)
+    _materialize(replica, hf, _infer_dtype(hf), device, tensor_of=tensor_of)
     replica.__dict__["_dschat_shard_views"] = views
     return _finish_replica(replica, hf)
 
