@@ -18,6 +18,9 @@
 #   fine-tuning, both trained models checkpointed, at offload ratios $OFFLOAD_RATIOS (default
 #   0.25 0.15; the first also with pageable host buffers and hybrid off, the others also with the
 #   reference's weights on the host)
+# big7b: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps: full fine-tuning, both
+#   trained models checkpointed, $OFFLOAD_RATIO (0.25) of the optimizer on the host (pinned); LoRA
+#   checkpointed; hybrid off (3 steps). Then at 0.15 with the reference's weights on the host.
 # step3offload1: the replica A/B, then bloom-7b1 at one ratio ($OFFLOAD_RATIO, 0.25) beside hybrid off
 # shards: bloom-560m step 3 with the actor's replica as views of its shards against a copied one
 # step3fam: step 3 (fast path, 3 steps) with a GPT-NeoX, a LLaMA (grouped-query) and a GPT-2
@@ -73,6 +76,14 @@ elif [ "$what" = step3offload ]; then
       --hybrid_off_steps 3 --offload_ratio $r --modes "${modes[@]}" \
       --out "$out/step3_offload.md" 2>&1 | grep --line-buffered -v -i warn
   done
+elif [ "$what" = big7b ]; then
+  python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 20 --warmup 3 \
+    --hybrid_off_steps 3 --offload_ratio ${OFFLOAD_RATIO:-0.25} --modes "ours fast, optimizer offloaded, checkpointed, pinned" \
+    "ours fast, LoRA, checkpointed" "hybrid off, optimizer offloaded, checkpointed" \
+    --out "$out/step3_7b1.md" 2>&1 | grep --line-buffered -v -i warn
+  python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 20 --warmup 3 \
+    --offload_ratio 0.15 --modes "ours fast, optimizer offloaded, checkpointed, pinned, reference offloaded" \
+    --out "$out/step3_7b1.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = step3offload1 ]; then
   # the short form for a short lease: the replica A/B, then bloom-7b1 at OFFLOAD_RATIO (0.25),
   # checkpointed and pinned, beside hybrid off
