@@ -44,6 +44,9 @@ MODES = {
     "ours fast, frozen unsharded": HYBRID + ["--reference_zero_stage", "0", "--reward_zero_stage", "0"],
     # the LM head over every column in scoring and training (before: the answer's only)
     "ours fast, full-width LM head": HYBRID,
+    # HF's eager attention (Bloom: fp32 probabilities kept per layer) where SDPA runs by default
+    "ours fast, eager attention": HYBRID + ["--attn_implementation", "eager"],
+    "hybrid off, eager attention": ["--attn_implementation", "eager"],
     # activation checkpointing of both trained models: peak memory against recomputation
     "ours fast, checkpointed": HYBRID + CHECKPOINTED,
     # a copied inference replica of the actor where (one rank, ZeRO-3) views of its shards serve

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from dschat.data.assets import BUNDLED_DATASET_NAME
+from dschat.models.attention import ATTN_IMPLEMENTATIONS
 from dschat.rlhf.algorithm import ALGORITHMS
 from dschat.rlhf.estimators import KL_KINDS, LOSS_AGG_MODES
 from dschat.utils.errors import UserInputError
@@ -85,6 +86,13 @@ def add_model_train_args(parser: argparse.ArgumentParser, *, learning_rate: floa
 
 
 def add_zero3_hooks_arg(g) -> None:
+    """--zero3_hook_granularity, and --attn_implementation beside it (both shape every model's forward)."""
+    g.add_argument("--attn_implementation", type=str, default="sdpa", choices=ATTN_IMPLEMENTATIONS,
+                   help="Attention of the training and scoring forwards. sdpa: PyTorch's fused "
+                        "scaled_dot_product_attention (for Bloom, whose HF code has only eager attention, "
+                        "ours, with ALiBi and the mask as its bias and a one-kernel GELU: same numbers within "
+                        "fp32 rounding, no [batch, heads, len, len] probabilities kept for backward). eager: "
+                        "HF's eager attention. Generation uses its own kernels either way.")
     g.add_argument("--zero3_hook_granularity", type=str, default="block", choices=("block", "module"),
                    help="ZeRO-3 parameter gathering unit: 'block' gathers and releases each transformer "
                         "block whole (one hook per block; far less host time per step, same numbers); "

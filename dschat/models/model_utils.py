@@ -16,6 +16,7 @@ import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from dschat.data.assets import bundled_tokenizer_path
+from dschat.models.attention import use_attention
 from dschat.registry import family_of, get_family, unwrap_peft
 from dschat.utils.checkpoint import fault_point
 from dschat.utils.errors import UserInputError
@@ -112,8 +113,9 @@ def padded_vocab_size(tokenizer_len: int, current: int) -> int:
 
 def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | None = None,
                     dropout: float | None = None, seed: int = 1234,
-                    model_class=AutoModelForCausalLM) -> nn.Module:
-    """A causal LM in fp32, ready for `deepspeed.initialize`.
+                    model_class=AutoModelForCausalLM, attn_implementation: str = "sdpa") -> nn.Module:
+    """A causal LM in fp32, ready for `deepspeed.initialize`, with `attn_implementation`
+    (dschat.models.attention: "sdpa" gives Bloom our fused attention; "eager" HF's everywhere).
 
     Under ZeRO-3 (`ds_config` stage 3) weights from a folder load partitioned; random init
     from a config happens outside `zero.Init` (transformers' OPT init indexes the padding
@@ -126,6 +128,8 @@ def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | Non
     config.pad_token_id = tokenizer.pad_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.end_token_id = tokenizer.eos_token_id  # upstream's name, read by old checkpoints
+    # "sdpa" keeps transformers' default (SDPA where the family has it); Bloom's comes after loading
+    attn = {"attn_implementation": "eager"} if attn_implementation == "eager" else {}
     folder = Path(model_name_or_path)
     if _config_file(model_name_or_path) is not None and not has_weights(folder):
         if folder.is_dir() and any((folder / f).exists() for f in SAVED_MODEL_FILES):
@@ -133,14 +137,14 @@ def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | Non
                 f"{model_name_or_path}: a saved model folder without weights (no {' or '.join(WEIGHT_FILES)}); "
                 "an incomplete copy? For a random init pass a config.json file instead")
         torch.manual_seed(seed)
-        model = model_class.from_config(config, dtype=torch.float32)
+        model = model_class.from_config(config, dtype=torch.float32, **attn)
         logger.info(f"random init of a {config.model_type} model from {model_name_or_path} (seed {seed})")
     else:
         from safetensors import SafetensorError
         try:
             with hf_zero3_loading(ds_config):
                 model, info = model_class.from_pretrained(model_name_or_path, config=config,
-                                                          dtype=torch.float32, output_loading_info=True)
+                                                          dtype=torch.float32, output_loading_info=True, **attn)
         except (OSError, ValueError, EOFError, SafetensorError) as e:
             # a truncated safetensors file raises SafetensorError ("invalid header length")
             raise UserInputError(f"cannot load weights from {model_name_or_path!r}: "
@@ -154,6 +158,7 @@ def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | Non
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
+    logger.info(f"{config.model_type} attention: {use_attention(model, attn_implementation)}")
     return model
 
 
@@ -164,7 +169,7 @@ def build_lm_engine(args, tokenizer, ds_config: dict, num_update_steps: int):
     from dschat.models.lora import apply_lora
 
     model = create_hf_model(args.model_name_or_path, tokenizer, ds_config=ds_config,
-                            dropout=args.dropout, seed=args.seed)
+                            dropout=args.dropout, seed=args.seed, attn_implementation=args.attn_implementation)
     model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from transformers import AutoModel
 
 from dschat.engine.zero import match_partitioned_dtype
+from dschat.models.attention import use_attention
 from dschat.models.model_utils import create_hf_model, has_weights, load_config, save_tokenizer_and_config
 from dschat.registry import family_of, position_ids_for
 from dschat.utils.checkpoint import fault_point
@@ -115,15 +116,17 @@ class RewardModel(nn.Module):
 
 def create_reward_model(model_name_or_path: str, tokenizer, *, ds_config: dict | None = None,
                         dropout: float | None = None, seed: int = 1234,
-                        num_padding_at_beginning: int | None = None) -> RewardModel:
+                        num_padding_at_beginning: int | None = None,
+                        attn_implementation: str = "sdpa") -> RewardModel:
     """A new reward model on the backbone of a causal LM (a step-1 folder, or a config).
 
     Passing a folder that already is a reward model continues from its weights.
     """
     if is_reward_checkpoint(model_name_or_path):
-        return load_reward_model(model_name_or_path, tokenizer, dropout=dropout)
+        return load_reward_model(model_name_or_path, tokenizer, dropout=dropout,
+                                 attn_implementation=attn_implementation)
     backbone = create_hf_model(model_name_or_path, tokenizer, ds_config=ds_config, dropout=dropout,
-                               seed=seed, model_class=AutoModel)
+                               seed=seed, model_class=AutoModel, attn_implementation=attn_implementation)
     fam = family_of(backbone)
     npb = fam.num_padding_at_beginning if num_padding_at_beginning is None else num_padding_at_beginning
     torch.manual_seed(seed)
@@ -161,7 +164,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_reward_model(path: str | Path, tokenizer, *, dropout: float | None = None,
-                      flag: str = "reward model path") -> RewardModel:
+                      flag: str = "reward model path", attn_implementation: str = "sdpa") -> RewardModel:
     """Load a reward model folder (ours or DS-Chat's); keys must match exactly.
 
     Upstream loads critics ignoring mismatched keys, so a wrong path silently trains from
@@ -181,7 +184,9 @@ def load_reward_model(path: str | Path, tokenizer, *, dropout: float | None = No
     config = load_config(str(folder))
     from dschat.models.model_utils import apply_dropout
     apply_dropout(config, dropout)
-    backbone = AutoModel.from_config(config, dtype=torch.float32)
+    backbone = AutoModel.from_config(config, dtype=torch.float32,
+                                     **({"attn_implementation": "eager"} if attn_implementation == "eager" else {}))
+    use_attention(backbone, attn_implementation)
     marker = {}
     if (folder / MARKER_FILE).exists():
         marker = json.loads((folder / MARKER_FILE).read_text())

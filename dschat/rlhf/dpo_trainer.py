@@ -53,7 +53,8 @@ def build_dpo_engines(args, tokenizer, ds_config: dict, num_update_steps: int):
     frozen copy of the same weights in eval mode."""
     policy = build_lm_engine(args, tokenizer, ds_config, num_update_steps)
     ref_cfg = reference_ds_config(args)
-    ref = create_hf_model(args.model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
+    ref = create_hf_model(args.model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed,
+                          attn_implementation=args.attn_implementation)
     ref.requires_grad_(False)
     ref_engine = initialize_engine(ref, ref_cfg, args.zero3_hook_granularity)
     ref_engine.eval()  # frozen: never runs dropout

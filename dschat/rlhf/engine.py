@@ -102,8 +102,9 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
                      "--critic_zero_stage 2 (or 0) train the same models in less memory (35.3 against 39.3 GiB "
                      "at bloom-560m) unless parameters are offloaded")
     # actor
+    attn = args.attn_implementation
     actor = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=actor_cfg,
-                            dropout=args.actor_dropout, seed=args.seed)
+                            dropout=args.actor_dropout, seed=args.seed, attn_implementation=attn)
     actor = apply_lora(actor, args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
     if args.actor_gradient_checkpointing:
         actor.gradient_checkpointing_enable()
@@ -124,7 +125,8 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
         print_rank_0("reference model: the actor's frozen base weights with its LoRA adapters switched off "
                      "(one copy of the weights; --separate_lora_reference builds its own)")
     elif uses_reference(args):
-        ref = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
+        ref = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed,
+                              attn_implementation=attn)
         ref_engine = initialize_engine(ref, ref_cfg, hooks)
         ref_engine.eval()  # frozen models never run dropout
         print_rank_0(f"reference engine ready (ZeRO-{ref_stage})")
@@ -133,7 +135,8 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
 
     ema_engine = None
     if args.enable_ema:
-        ema = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed)
+        ema = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=ref_cfg, seed=args.seed,
+                              attn_implementation=attn)
         ema_engine = initialize_engine(ema, ref_cfg, hooks)
         ema_engine.eval()
 
@@ -141,10 +144,10 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     if uses_critic(args):  # critic: from the reward model, trained
         if uses_reward_model(args):
             critic = load_reward_model(args.critic_model_name_or_path, tokenizer, dropout=args.critic_dropout,
-                                       flag="--critic_model_name_or_path")
+                                       flag="--critic_model_name_or_path", attn_implementation=attn)
         else:  # rewards from functions only: a causal LM (the SFT model) may start the critic, new value head
             critic = create_reward_model(args.critic_model_name_or_path, tokenizer, ds_config=critic_cfg,
-                                         dropout=args.critic_dropout, seed=args.seed)
+                                         dropout=args.critic_dropout, seed=args.seed, attn_implementation=attn)
         critic.rwtransformer = apply_lora(critic.rwtransformer, args.critic_lora_dim,
                                           args.critic_lora_module_name, args.only_optimize_lora)
         if args.critic_gradient_checkpointing:
@@ -165,7 +168,8 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
         reward_stage = frozen_stage(args.reward_zero_stage, partner, world_size=world,
                                     offloaded=args.offload_reward_model)
         reward_cfg = eval_ds_config(zero_stage=reward_stage, dtype=args.dtype, offload=args.offload_reward_model)
-        reward = load_reward_model(args.critic_model_name_or_path, tokenizer, flag="--critic_model_name_or_path")
+        reward = load_reward_model(args.critic_model_name_or_path, tokenizer, flag="--critic_model_name_or_path",
+                                   attn_implementation=attn)
         reward_engine = initialize_engine(reward, reward_cfg, hooks)
         reward_engine.eval()
         print_rank_0(f"reward engine ready (ZeRO-{reward_stage})")

@@ -43,7 +43,8 @@ def parse_args(argv=None):
 def build_engine(args, tokenizer, ds_config, num_update_steps):
     model = create_reward_model(args.model_name_or_path, tokenizer, ds_config=ds_config,
                                 dropout=args.dropout, seed=args.seed,
-                                num_padding_at_beginning=args.num_padding_at_beginning)
+                                num_padding_at_beginning=args.num_padding_at_beginning,
+                                attn_implementation=args.attn_implementation)
     model.rwtransformer = apply_lora(model.rwtransformer, args.lora_dim, args.lora_module_name,
                                      args.only_optimize_lora)
     if args.gradient_checkpointing:
