@@ -186,3 +186,16 @@ def test_fast_start_runs_three_processes_with_the_same_tokens(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "process" not in line]
     assert [r.split(" | ")[0] for r in rows] == ["| cold", "| warm", "| race only (compile cache warm)"]
     assert all(r.rstrip(" |").endswith("True") for r in rows), rows
+
+
+def test_activation_bytes_counts_the_eager_probabilities():
+    """activation_bytes.py at a small shape: eager Bloom keeps each block's probabilities (fp32
+    softmax output and its bf16 cast: 6 bytes per score); the fused attention keeps one fp32
+    log-sum-exp per query row instead, and nothing else differs."""
+    spec = importlib.util.spec_from_file_location("activation_bytes", REPO / "benchmarks" / "activation_bytes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a = mod.argparse.Namespace(hidden=128, heads=4, layers=4, batch=2, tokens=64, dtype="bf16", device="cpu")
+    (eager, _), (sdpa, _) = mod.per_block("eager", a), mod.per_block("sdpa", a)
+    scores = a.batch * a.heads * a.tokens * a.tokens
+    assert eager - sdpa == 6 * scores - 4 * a.batch * a.heads * a.tokens, (eager, sdpa)
