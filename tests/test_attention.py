@@ -106,3 +106,20 @@ def test_eager_choice_and_other_families():
     assert use_attention(llama, "sdpa") == "eager"  # other families: transformers' own choice, untouched
     with pytest.raises(ValueError, match="one of"):
         use_attention(bloom, "flash")
+
+
+def test_inference_replica_keeps_the_fused_attention():
+    """The hybrid engine's replica (step 3's actor scoring) runs the attention the actor runs."""
+    from dschat.models.attention import attention_of
+    from dschat.rollout.gather import build_replica, fill_replica
+
+    eager, fused = _pair()
+    for source in (eager, fused):
+        replica = build_replica(source, dtype=torch.float32, device=torch.device("cpu"))
+        fill_replica(source, replica)
+        assert attention_of(replica) == attention_of(source)
+        ids, mask = _batch(5)
+        with torch.no_grad():
+            a = source(input_ids=ids, attention_mask=mask).logits
+            b = replica(input_ids=ids, attention_mask=mask).logits
+        _assert_close_where_attended(a, b, mask, 1e-6)

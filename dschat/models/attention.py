@@ -101,6 +101,12 @@ def _bloom_attention_supported(attention: nn.Module) -> str | None:
     return None
 
 
+def attention_of(model: nn.Module) -> str:
+    """"sdpa" where `use_attention` gave `model` the fused Bloom attention, else "eager" (for a
+    copy of the model, such as the hybrid engine's inference replica, to match it)."""
+    return "sdpa" if any(hasattr(m, "_dschat_bias") for m in model.modules()) else "eager"
+
+
 def use_attention(model: nn.Module, implementation: str = "sdpa") -> str:
     """Give `model`'s Bloom blocks the fused attention and GELU (`implementation` "sdpa"), or
     leave HF's eager code ("eager"). Returns what the model now runs, for the log."""

@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from dschat.engine.zero import is_zero3_param
+from dschat.models.attention import attention_of, use_attention
 from dschat.registry import family_of, head_is_tied, resolve, unwrap_peft
 from dschat.utils.logging import get_logger, is_rank_0
 
@@ -552,6 +553,7 @@ def _skeleton(hf: nn.Module, fam) -> nn.Module:
     attn = getattr(hf.config, "_attn_implementation", None)
     if attn is not None and getattr(replica.config, "_attn_implementation", None) != attn:
         replica.config._attn_implementation = attn
+    use_attention(replica, attention_of(hf))  # Bloom's fused attention where the actor has it
     return replica
 
 
