@@ -23,7 +23,7 @@
 #   checkpointed; hybrid off (3 steps). Then at 0.15 with the reference's weights on the host.
 # step3offload1: the replica A/B, then bloom-7b1 at one ratio ($OFFLOAD_RATIO, 0.25) beside hybrid off
 # attn: bloom-560m step 3 with Bloom's fused attention (the default) against HF's eager one, ours
-#   fast and checkpointed, beside hybrid off
+#   fast, scored in the training forwards and checkpointed, beside hybrid off
 # 1b7: step 3 with a bloom-1b7 actor and a bloom-560m critic: ours fast, checkpointed, hybrid off
 # shards: bloom-560m step 3 with the actor's replica as views of its shards against a copied one
 # step3fam: step 3 (fast path, 3 steps) with a GPT-NeoX, a LLaMA (grouped-query) and a GPT-2
@@ -96,7 +96,8 @@ elif [ "$what" = step3offload1 ]; then
     "hybrid off, optimizer offloaded, checkpointed" --out "$out/step3_offload.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = attn ]; then
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --hybrid_off_steps 3 --modes "ours fast" \
-    "ours fast, eager attention" "ours fast, checkpointed" "hybrid off" --out "$out/step3_attn.md" 2>&1 | grep --line-buffered -v -i warn
+    "ours fast, eager attention" "ours fast, scored in training" "ours fast, checkpointed" "hybrid off" \
+    --out "$out/step3_attn.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = 1b7 ]; then
   python3 benchmarks/step3.py --preset bloom-1b7 --critic_preset bloom-560m --steps 5 --warmup 2 --hybrid_off_steps 3 \
     --modes "ours fast" "ours fast, checkpointed" "hybrid off" --out "$out/step3_1b7.md" 2>&1 | grep --line-buffered -v -i warn

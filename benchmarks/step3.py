@@ -47,6 +47,8 @@ MODES = {
     # HF's eager attention (Bloom: fp32 probabilities kept per layer) where SDPA runs by default
     "ours fast, eager attention": HYBRID + ["--attn_implementation", "eager"],
     "hybrid off, eager attention": ["--attn_implementation", "eager"],
+    # old log-probs and values from the training forwards: no actor or critic scoring pass
+    "ours fast, scored in training": HYBRID + ["--score_in_training_forward"],
     # activation checkpointing of both trained models: peak memory against recomputation
     "ours fast, checkpointed": HYBRID + CHECKPOINTED,
     # a copied inference replica of the actor where (one rank, ZeRO-3) views of its shards serve

@@ -314,6 +314,14 @@ def add_step3_args(p: argparse.ArgumentParser) -> None:
                         "[batch, answer, vocabulary] logits never exist (same numbers; a model whose output "
                         "layer is not a plain linear layer, or that rescales its logits, runs plain, said once "
                         "in the log). plain: HF's logits, then the log-softmax (DS-Chat's way).")
+    g.add_argument("--score_in_training_forward", action="store_true",
+                   help="Take the actor's old log-probs and the critic's old values from their training forwards "
+                        "instead of separate scoring forwards after generation: the two forwards fewer per step. "
+                        "Exact only when the round trains once on weights it was generated with, so it needs "
+                        "--ppo_epochs 1, --generation_batches 1, one training micro-batch per rollout "
+                        "(--per_device_training_batch_size >= generation batch x --n_samples_per_prompt), "
+                        "--gradient_accumulation_steps 1, no --filter_groups and dropout 0 in actor and critic. "
+                        "The PPO ratio is then exactly 1; both models' activations are alive together.")
     g.add_argument("--critic_gradient_checkpointing", action="store_true", help="Critic activation checkpointing.")
     g.add_argument("--actor_dropout", type=float, default=0.0,
                    help="Actor dropout (default 0.0, as upstream's step-3 scripts: with dropout the PPO "

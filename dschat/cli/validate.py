@@ -222,6 +222,7 @@ def step3_problems(args) -> list[str]:
     if args.min_answer_seq_len > args.max_answer_seq_len:
         out.append(f"--min_answer_seq_len {args.min_answer_seq_len} exceeds --max_answer_seq_len "
                    f"{args.max_answer_seq_len}")
+    out += _score_in_training_forward(args)
     for flag in ("actor_learning_rate", "critic_learning_rate"):
         if getattr(args, flag) <= 0:
             out.append(f"--{flag} must be > 0, got {getattr(args, flag)}")
@@ -296,6 +297,23 @@ def _reward_model_scores(args) -> bool:
         return uses_reward_model(args)
     except (UserInputError, ValueError):
         return True
+
+
+def _score_in_training_forward(args) -> list[str]:
+    """--score_in_training_forward is exact only when each rollout trains once, in one micro-batch,
+    on the weights that generated it (dropout is checked once the models exist)."""
+    if not getattr(args, "score_in_training_forward", False):
+        return []
+    needs = [(args.ppo_epochs == 1, f"--ppo_epochs 1 (got {args.ppo_epochs})"),
+             (args.generation_batches == 1, f"--generation_batches 1 (got {args.generation_batches})"),
+             (args.per_device_training_batch_size >= args.per_device_generation_batch_size,
+              f"one training micro-batch per rollout: --per_device_training_batch_size "
+              f"{args.per_device_training_batch_size} < --per_device_generation_batch_size "
+              f"{args.per_device_generation_batch_size}"),
+             (args.gradient_accumulation_steps == 1,
+              f"--gradient_accumulation_steps 1 (got {args.gradient_accumulation_steps})"),
+             (not args.filter_groups, "no --filter_groups")]
+    return [f"--score_in_training_forward needs {what}" for ok, what in needs if not ok]
 
 
 def _algorithm(args) -> list[str]:

@@ -60,7 +60,8 @@ def ppo_config(args) -> PPOConfig:
                      cliprange_low=args.cliprange_low, cliprange_high=args.cliprange_high,
                      overlong_buffer=args.overlong_penalty, skip_bad_rewards=args.skip_bad_rewards,
                      reward_weights=weights, filter_max_extra=args.filter_groups_max_extra,
-                     fused_logprobs=args.logprobs == "fused")
+                     fused_logprobs=args.logprobs == "fused",
+                     score_in_training_forward=args.score_in_training_forward)
 
 
 def reward_functions(args) -> list[RewardFn]:
@@ -110,7 +111,9 @@ def ppo_round(trainer, buffer, unsup_buffer, args) -> dict:
     stats = []
     for _ in range(args.ppo_epochs):
         for exp_i, unsup in zip(buffer, unsup_buffer or [None] * len(buffer)):
-            micros = exp_i.split(args.per_device_training_batch_size)
+            # a rollout scored in its training forward (--score_in_training_forward) is one micro-batch
+            # and gets its log-probs, values and advantages filled in place, for the metrics
+            micros = [exp_i] if exp_i.logprobs is None else exp_i.split(args.per_device_training_batch_size)
             unsup_micros = split_rows(unsup, args.per_device_training_batch_size) if unsup is not None \
                 else [None] * len(micros)
             if len(unsup_micros) != len(micros):
@@ -271,7 +274,8 @@ def train_step3(args) -> None:
             progress.update(1)
             if exp is None:
                 print_rank_0(f"step {step}: a rank generated no answer longer than one token; batch skipped")
-            elif not guard.ok("reward", step, exp.rewards, exp.values, exp.logprobs, exp.ref_logprobs):
+            elif not guard.ok("reward", step, *(t for t in (exp.rewards, exp.values, exp.logprobs, exp.ref_logprobs)
+                                                 if t is not None)):
                 metrics.log(step, {"train/skipped_nonfinite": guard.skipped})
             else:
                 buffer.append(exp)
@@ -281,6 +285,11 @@ def train_step3(args) -> None:
                 if unsup_iter is not None:
                     unsup_buffer.append(to_device(next(unsup_iter), device))
                     unsup_done += 1
+                round_stats = None
+                if args.score_in_training_forward:   # the advantages come from training: train first
+                    train_start = time.time()
+                    round_stats = ppo_round(trainer, buffer, unsup_buffer, args)
+                    train_s = time.time() - train_start
                 round_rollouts.append((trainer.rollout_metrics(exp), exp.batch_size))
                 record = {**merge_rollout_metrics([m for m, _ in round_rollouts], [n for _, n in round_rollouts]),
                           **{f"time/{k}": v for k, v in round_timings.items()}}
@@ -296,10 +305,13 @@ def train_step3(args) -> None:
                           f"    answer: {tokenizer.decode(exp.seq[0, P:], skip_special_tokens=True)!r}"
                           f" reward {float(exp.rewards[0]):.3f}", flush=True)
                 if len(buffer) >= args.generation_batches:
-                    train_start = time.time()
-                    record.update(ppo_round(trainer, buffer, unsup_buffer, args))
+                    if round_stats is None:
+                        train_start = time.time()
+                        round_stats = ppo_round(trainer, buffer, unsup_buffer, args)
+                        train_s = time.time() - train_start
+                    record.update(round_stats)
                     buffer, unsup_buffer = [], []
-                    record["time/train_s"] = time.time() - train_start
+                    record["time/train_s"] = train_s
                     record.update(trainer.phases.metrics())
                     record.update(engines.hybrid.pop_stats())
                     record.update(get_scheduler().pop_stats())

@@ -16,13 +16,14 @@ from torch.profiler import record_function
 
 from dschat.engine.train_utils import lm_loss_sum
 from dschat.models.fused_head import FusedLogprobs
-from dschat.registry import logits_to_keep_kwargs, position_ids_for
+from dschat.registry import family_of, logits_to_keep_kwargs, position_ids_for, unwrap_peft
 from dschat.rlhf import estimators as est
 from dschat.rlhf import ppo_math as pm
 from dschat.rlhf.engine import RLHFEngines, update_ema
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.reward_fn import RewardFunctionError, combine_rewards, score
 from dschat.utils import dist
+from dschat.utils.errors import UserInputError
 from dschat.utils.logging import print_rank_0
 from dschat.utils.phases import PhaseTimer
 
@@ -69,6 +70,7 @@ class PPOConfig:
     reward_weights: Optional[Sequence[float]] = None  # reward model (if any) first, then functions
     filter_max_extra: int = 4         # --filter_groups: extra generation rounds at most per step
     fused_logprobs: bool = True       # output layer + log-softmax in token chunks (dschat.models.fused_head)
+    score_in_training_forward: bool = False  # old log-probs / values from the training forwards (on-policy)
 
     @property
     def clip_low(self) -> float:
@@ -136,6 +138,8 @@ class PPOTrainer:
         self.rollout_stats: dict = {}   # this rank's counters of the last rollout(s), for metrics
         # seconds and peak memory of each phase (STEP3_PHASES) since the last `phases.reset()`
         self.phases = PhaseTimer(engines.actor.device)
+        if c.score_in_training_forward:
+            _check_no_dropout(engines)
 
     # ------------------------------------------------------------------ experience
     @torch.no_grad()
@@ -143,7 +147,7 @@ class PPOTrainer:
                             fields: Optional[list] = None) -> tuple[Experience | None, dict]:
         """`rollout` and its advantages (`compute_advantages`): the experience of one batch."""
         exp, timings = self.rollout(prompts, prompt_mask, fields)
-        if exp is not None:
+        if exp is not None and exp.logprobs is not None:   # else train_rlhf computes them
             self.compute_advantages(exp)
         return exp, timings
 
@@ -197,20 +201,27 @@ class PPOTrainer:
         action_mask = action_mask * keep.unsqueeze(1).long()
 
         start = time.time()
-        keep = seq.shape[1] - P + 1      # the LM head runs on the answer-predicting columns only
-        with record_function("dschat/score/actor"), self.phases.phase("score_actor"):
-            logits = self.e.hybrid.logits(seq, attention_mask, keep_last=keep)
-            logprobs = pm.gather_log_probs(_answer_logits(logits, seq, P), pm.answer_tokens(seq, P))
-            del logits
+        # --score_in_training_forward: the actor's and critic's scoring come from their training
+        # forwards (train_rlhf), which run on the same weights; logprobs and values stay None here
+        deferred = self.cfg.score_in_training_forward
+        logprobs = values = None
+        if not deferred:
+            keep = seq.shape[1] - P + 1      # the LM head runs on the answer-predicting columns only
+            with record_function("dschat/score/actor"), self.phases.phase("score_actor"):
+                logits = self.e.hybrid.logits(seq, attention_mask, keep_last=keep)
+                logprobs = pm.gather_log_probs(_answer_logits(logits, seq, P), pm.answer_tokens(seq, P))
+                del logits
         if self.e.ref is not None:
             with record_function("dschat/score/reference"), torch.no_grad(), self.phases.phase("score_ref"):
                 ref_logprobs, _ = self._answer_logprobs(self.e.ref, seq, attention_mask, P)
-        else:  # --kl_ctl 0: no reference model; the KL is 0
-            ref_logprobs = logprobs.clone()
+        else:  # --kl_ctl 0: no reference model; the KL is 0 (deferred: set with the log-probs)
+            ref_logprobs = None if deferred else logprobs.clone()
         with self.phases.phase("score_reward"):
             reward, valid = self.score(seq, attention_mask, prompt_mask, answer_tokens, P, fields, timings)
         action_mask = action_mask * valid.unsqueeze(1).long()   # --skip_bad_rewards: no loss on those
-        if self.e.critic is not None:
+        if deferred:
+            pass
+        elif self.e.critic is not None:
             with record_function("dschat/score/critic"), self.phases.phase("score_critic"):
                 values = self.e.critic.module.forward_value(seq, attention_mask, return_value_only=True)
                 values = pm.answer_slice(values, P).float()
@@ -397,10 +408,28 @@ class PPOTrainer:
         P = exp.prompt_width
         c = self.cfg
         self.train()
+        deferred = exp.logprobs is None   # --score_in_training_forward: scored here, on the same weights
         # the same positions as generation and the experience pass (left-padded prompts)
         with record_function("dschat/train/actor_forward"), self.phases.phase("actor_fwd"):
             logprobs, entropy = self._answer_logprobs(self.e.actor, exp.seq, exp.attention_mask, P,
                                                       with_entropy=True)
+        live_values = None
+        if deferred:
+            # old log-probs and values are the training forwards' own (the PPO ratio is exactly 1);
+            # the critic's forward runs before the advantages, which need its values
+            exp.logprobs = logprobs.detach().float()
+            if exp.ref_logprobs is None:
+                exp.ref_logprobs = exp.logprobs.clone()
+            if self.e.critic is not None:
+                with record_function("dschat/train/critic_forward"), self.phases.phase("critic_fwd"):
+                    live_values = pm.answer_slice(self.e.critic.module.forward_value(
+                        exp.seq, exp.attention_mask, return_value_only=True), P)
+                exp.values = live_values.detach().float()
+            else:
+                exp.values = torch.zeros_like(exp.logprobs)
+            with torch.no_grad():
+                self.compute_advantages(exp)
+        with record_function("dschat/train/actor_forward"), self.phases.phase("actor_fwd"):
             if c.clip_low == c.clip_high == c.cliprange and c.loss_agg == "token_mean":
                 # DS-Chat's loss (clipped_policy_loss computes the same numbers)
                 a_loss, a_clip = pm.actor_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
@@ -425,8 +454,10 @@ class PPOTrainer:
             return stats
 
         with record_function("dschat/train/critic_forward"), self.phases.phase("critic_fwd"):
-            values = self.e.critic.module.forward_value(exp.seq, exp.attention_mask, return_value_only=True)
-            values = pm.answer_slice(values, P)
+            values = live_values
+            if values is None:
+                values = pm.answer_slice(self.e.critic.module.forward_value(
+                    exp.seq, exp.attention_mask, return_value_only=True), P)
             c_loss, c_clip = pm.critic_loss(values, exp.values, exp.returns, exp.action_mask,
                                             self.cfg.cliprange_value)
         self._update("critic", c_loss, self.e.critic)
@@ -587,6 +618,24 @@ def merge_rollout_metrics(rows: list[dict], weights: list[float]) -> dict:
         else:
             out[key] = sum(v * w for v, w in values) / (sum(w for _, w in values) or total)
     return out
+
+
+def _check_no_dropout(engines: RLHFEngines) -> None:
+    """--score_in_training_forward takes the old log-probs and values from forwards in training
+    mode: exact only where they run no dropout."""
+    bad = []
+    for name, engine in (("actor", engines.actor), ("critic", engines.critic)):
+        if engine is None:
+            continue
+        module = engine.module
+        config = unwrap_peft(getattr(module, "rwtransformer", module)).config
+        bad += [f"{name} {key}={getattr(config, key)}" for key in family_of(config).dropout_keys
+                if getattr(config, key, 0) not in (0, 0.0, None)]
+        bad += [f"{name} {n} p={m.p}" for n, m in module.named_modules()
+                if isinstance(m, torch.nn.Dropout) and m.p > 0][:3]
+    if bad:
+        raise UserInputError(f"--score_in_training_forward needs dropout 0 in actor and critic "
+                             f"(--actor_dropout 0 --critic_dropout 0); found {', '.join(bad[:6])}")
 
 
 def _reduce_min(value: torch.Tensor) -> float:
