@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Bytes a Bloom block keeps for backward, HF's eager attention against ours (--attn_implementation
-sdpa: dschat/models/attention.py), side by side in one run:
+sdpa: dschat/utils/attention.py), side by side in one run:
 
     python benchmarks/activation_bytes.py                     # bloom-560m's block, 16 x 512, bf16, CPU
     python benchmarks/activation_bytes.py --hidden 4096 --heads 32 --batch 8 --layers 30   # bloom-7b1
@@ -40,7 +40,7 @@ def per_block(impl: str, a) -> tuple[int, int]:
     """(bytes of one more block, bytes of --layers blocks)"""
     from transformers import AutoModelForCausalLM, BloomConfig
 
-    from dschat.models.attention import use_attention
+    from dschat.utils.attention import use_attention
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     out = []

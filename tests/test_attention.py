@@ -1,11 +1,11 @@
-"""Bloom's fused attention (dschat/models/attention.py) against HF's eager code, fp32 on CPU."""
+"""Bloom's fused attention (dschat/utils/attention.py) against HF's eager code, fp32 on CPU."""
 import copy
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig
 
-from dschat.models.attention import use_attention
+from dschat.utils.attention import use_attention
 
 # bloom-560m's head shape (16 heads of 64), two layers
 CONFIG = dict(vocab_size=512, hidden_size=1024, n_layer=2, n_head=16, hidden_dropout=0.0, attention_dropout=0.0)
@@ -110,8 +110,8 @@ def test_eager_choice_and_other_families():
 
 def test_inference_replica_keeps_the_fused_attention():
     """The hybrid engine's replica (step 3's actor scoring) runs the attention the actor runs."""
-    from dschat.models.attention import attention_of
     from dschat.rollout.gather import build_replica, fill_replica
+    from dschat.utils.attention import attention_of
 
     eager, fused = _pair()
     for source in (eager, fused):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 
 from dschat.data.assets import BUNDLED_DATASET_NAME
-from dschat.models.attention import ATTN_IMPLEMENTATIONS
 from dschat.rlhf.algorithm import ALGORITHMS
 from dschat.rlhf.estimators import KL_KINDS, LOSS_AGG_MODES
+from dschat.utils.attention import ATTN_IMPLEMENTATIONS
 from dschat.utils.errors import UserInputError
 from dschat.utils.profiling import add_profile_args
 

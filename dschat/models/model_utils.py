@@ -16,8 +16,8 @@ import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from dschat.data.assets import bundled_tokenizer_path
-from dschat.models.attention import use_attention
 from dschat.registry import family_of, get_family, unwrap_peft
+from dschat.utils.attention import use_attention
 from dschat.utils.checkpoint import fault_point
 from dschat.utils.errors import UserInputError
 from dschat.utils.logging import get_logger
@@ -115,7 +115,7 @@ def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | Non
                     dropout: float | None = None, seed: int = 1234,
                     model_class=AutoModelForCausalLM, attn_implementation: str = "sdpa") -> nn.Module:
     """A causal LM in fp32, ready for `deepspeed.initialize`, with `attn_implementation`
-    (dschat.models.attention: "sdpa" gives Bloom our fused attention; "eager" HF's everywhere).
+    (dschat.utils.attention: "sdpa" gives Bloom our fused attention; "eager" HF's everywhere).
 
     Under ZeRO-3 (`ds_config` stage 3) weights from a folder load partitioned; random init
     from a config happens outside `zero.Init` (transformers' OPT init indexes the padding

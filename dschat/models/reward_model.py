@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from transformers import AutoModel
 
 from dschat.engine.zero import match_partitioned_dtype
-from dschat.models.attention import use_attention
 from dschat.models.model_utils import create_hf_model, has_weights, load_config, save_tokenizer_and_config
 from dschat.registry import family_of, position_ids_for
+from dschat.utils.attention import use_attention
 from dschat.utils.checkpoint import fault_point
 from dschat.utils.errors import UserInputError
 

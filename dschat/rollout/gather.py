@@ -46,8 +46,8 @@ import torch
 import torch.nn as nn
 
 from dschat.engine.zero import is_zero3_param
-from dschat.models.attention import attention_of, use_attention
 from dschat.registry import family_of, head_is_tied, resolve, unwrap_peft
+from dschat.utils.attention import attention_of, use_attention
 from dschat.utils.logging import get_logger, is_rank_0
 
 logger = get_logger(__name__)
