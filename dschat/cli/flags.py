@@ -319,7 +319,7 @@ def add_step3_args(p: argparse.ArgumentParser) -> None:
                         "instead of separate scoring forwards after generation: the two forwards fewer per step. "
                         "Exact only when the round trains once on weights it was generated with, so it needs "
                         "--ppo_epochs 1, --generation_batches 1, one training micro-batch per rollout "
-                        "(--per_device_training_batch_size >= generation batch x --n_samples_per_prompt), "
+                        "(--per_device_training_batch_size >= --per_device_generation_batch_size), "
                         "--gradient_accumulation_steps 1, no --filter_groups and dropout 0 in actor and critic. "
                         "The PPO ratio is then exactly 1; both models' activations are alive together.")
     g.add_argument("--critic_gradient_checkpointing", action="store_true", help="Critic activation checkpointing.")

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from dschat.data.assets import bundled_tokenizer_path
 from dschat.registry import family_of, get_family, unwrap_peft
-from dschat.utils.attention import use_attention
+from dschat.utils.attention import hf_attn_kwargs, use_attention
 from dschat.utils.checkpoint import fault_point
 from dschat.utils.errors import UserInputError
 from dschat.utils.logging import get_logger
@@ -128,8 +128,7 @@ def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | Non
     config.pad_token_id = tokenizer.pad_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.end_token_id = tokenizer.eos_token_id  # upstream's name, read by old checkpoints
-    # "sdpa" keeps transformers' default (SDPA where the family has it); Bloom's comes after loading
-    attn = {"attn_implementation": "eager"} if attn_implementation == "eager" else {}
+    attn = hf_attn_kwargs(attn_implementation)
     folder = Path(model_name_or_path)
     if _config_file(model_name_or_path) is not None and not has_weights(folder):
         if folder.is_dir() and any((folder / f).exists() for f in SAVED_MODEL_FILES):

@@ -26,7 +26,7 @@ from transformers import AutoModel
 from dschat.engine.zero import match_partitioned_dtype
 from dschat.models.model_utils import create_hf_model, has_weights, load_config, save_tokenizer_and_config
 from dschat.registry import family_of, position_ids_for
-from dschat.utils.attention import use_attention
+from dschat.utils.attention import hf_attn_kwargs, use_attention
 from dschat.utils.checkpoint import fault_point
 from dschat.utils.errors import UserInputError
 
@@ -184,8 +184,7 @@ def load_reward_model(path: str | Path, tokenizer, *, dropout: float | None = No
     config = load_config(str(folder))
     from dschat.models.model_utils import apply_dropout
     apply_dropout(config, dropout)
-    backbone = AutoModel.from_config(config, dtype=torch.float32,
-                                     **({"attn_implementation": "eager"} if attn_implementation == "eager" else {}))
+    backbone = AutoModel.from_config(config, dtype=torch.float32, **hf_attn_kwargs(attn_implementation))
     use_attention(backbone, attn_implementation)
     marker = {}
     if (folder / MARKER_FILE).exists():

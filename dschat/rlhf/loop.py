@@ -224,6 +224,12 @@ def train_step3(args) -> None:
     profiler = StepProfiler(args.profile_step, args.profile_dir or os.path.join(args.output_dir, "profile"),
                             get_rank(), device)
     buffer, unsup_buffer = [], []
+
+    def timed_round() -> tuple[dict, float]:
+        """The PPO round over the buffered experience, and its seconds."""
+        start = time.time()
+        return ppo_round(trainer, buffer, unsup_buffer, args), time.time() - start
+
     progress = tqdm(total=total_steps, initial=step, desc=f"step 3 ({args.algorithm})", disable=get_rank() != 0)
     epoch = start_epoch
     for epoch in range(start_epoch, args.num_train_epochs):
@@ -285,11 +291,8 @@ def train_step3(args) -> None:
                 if unsup_iter is not None:
                     unsup_buffer.append(to_device(next(unsup_iter), device))
                     unsup_done += 1
-                round_stats = None
-                if args.score_in_training_forward:   # the advantages come from training: train first
-                    train_start = time.time()
-                    round_stats = ppo_round(trainer, buffer, unsup_buffer, args)
-                    train_s = time.time() - train_start
+                # --score_in_training_forward: the advantages come from training, so it runs first
+                trained = timed_round() if args.score_in_training_forward else None
                 round_rollouts.append((trainer.rollout_metrics(exp), exp.batch_size))
                 record = {**merge_rollout_metrics([m for m, _ in round_rollouts], [n for _, n in round_rollouts]),
                           **{f"time/{k}": v for k, v in round_timings.items()}}
@@ -305,10 +308,7 @@ def train_step3(args) -> None:
                           f"    answer: {tokenizer.decode(exp.seq[0, P:], skip_special_tokens=True)!r}"
                           f" reward {float(exp.rewards[0]):.3f}", flush=True)
                 if len(buffer) >= args.generation_batches:
-                    if round_stats is None:
-                        train_start = time.time()
-                        round_stats = ppo_round(trainer, buffer, unsup_buffer, args)
-                        train_s = time.time() - train_start
+                    round_stats, train_s = trained or timed_round()
                     record.update(round_stats)
                     buffer, unsup_buffer = [], []
                     record["time/train_s"] = train_s

@@ -219,14 +219,13 @@ class PPOTrainer:
         with self.phases.phase("score_reward"):
             reward, valid = self.score(seq, attention_mask, prompt_mask, answer_tokens, P, fields, timings)
         action_mask = action_mask * valid.unsqueeze(1).long()   # --skip_bad_rewards: no loss on those
-        if deferred:
-            pass
-        elif self.e.critic is not None:
-            with record_function("dschat/score/critic"), self.phases.phase("score_critic"):
-                values = self.e.critic.module.forward_value(seq, attention_mask, return_value_only=True)
-                values = pm.answer_slice(values, P).float()
-        else:
-            values = torch.zeros_like(logprobs, dtype=torch.float32)
+        if not deferred:
+            if self.e.critic is not None:
+                with record_function("dschat/score/critic"), self.phases.phase("score_critic"):
+                    values = self.e.critic.module.forward_value(seq, attention_mask, return_value_only=True)
+                    values = pm.answer_slice(values, P).float()
+            else:
+                values = torch.zeros_like(logprobs, dtype=torch.float32)
         timings["score_s"] = time.time() - start
         exp = Experience(prompts=prompts, seq=seq, attention_mask=attention_mask, action_mask=action_mask,
                          logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, rewards=reward,
@@ -630,7 +629,7 @@ def _check_no_dropout(engines: RLHFEngines) -> None:
         module = engine.module
         config = unwrap_peft(getattr(module, "rwtransformer", module)).config
         bad += [f"{name} {key}={getattr(config, key)}" for key in family_of(config).dropout_keys
-                if getattr(config, key, 0) not in (0, 0.0, None)]
+                if getattr(config, key, None)]
         bad += [f"{name} {n} p={m.p}" for n, m in module.named_modules()
                 if isinstance(m, torch.nn.Dropout) and m.p > 0][:3]
     if bad:

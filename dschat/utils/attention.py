@@ -13,16 +13,24 @@ Other families already use SDPA through transformers' `attn_implementation`.
 from __future__ import annotations
 
 import inspect
-import logging
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from dschat.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def hf_attn_kwargs(implementation: str) -> dict:
+    """transformers' `from_config` / `from_pretrained` keywords for `implementation`: "eager" asks
+    for its eager attention; "sdpa" keeps its default (SDPA where the family has it; Bloom's is
+    ours, given by `use_attention` after loading)."""
+    return {"attn_implementation": "eager"} if implementation == "eager" else {}
 
 
 class _SharedBias:
@@ -56,9 +64,6 @@ class _SharedBias:
         self._alibi = weakref.ref(alibi)
         self._mask = None if mask is None else weakref.ref(mask)
         return self._bias
-
-    def clear(self) -> None:
-        self._alibi = self._mask = self._bias = None
 
 
 def _fused_bloom_attention_forward(self, hidden_states, residual, alibi, attention_mask,
