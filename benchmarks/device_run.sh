@@ -23,6 +23,7 @@
 #   checkpointed; hybrid off (3 steps). Then at 0.15 with the reference's weights on the host.
 # step3offload1: the replica A/B, then bloom-7b1 at one ratio ($OFFLOAD_RATIO, 0.25) beside hybrid off
 # rate: the bf16 matmul rate at step 3's training shapes (bloom-560m, bloom-1b7) and the step's limit
+# adam: bloom-560m step 3 with torch's fused AdamW (the default) against its multi-tensor one
 # attn: bloom-560m step 3 with Bloom's fused attention (the default) against HF's eager one, ours
 #   fast, scored in the training forwards and checkpointed, beside hybrid off
 # 1b7: step 3 with a bloom-1b7 actor and a bloom-560m critic: ours fast, checkpointed, hybrid off
@@ -101,6 +102,9 @@ elif [ "$what" = rate ]; then
   bw=3.35e12; [ "$mem" -gt 100000 ] && bw=4.8e12
   python3 benchmarks/matmul_rate.py --bandwidth $bw --out "$out/matmul_rate_560m.md"
   python3 benchmarks/matmul_rate.py --bandwidth $bw --hidden 2048 --out "$out/matmul_rate_1b7.md"
+elif [ "$what" = adam ]; then
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast" "ours fast, foreach Adam" \
+    "ours fast, checkpointed" "ours fast, checkpointed, foreach Adam" --out "$out/step3_adam.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = attn ]; then
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --hybrid_off_steps 3 --modes "ours fast" \
     "ours fast, eager attention" "ours fast, scored in training" "ours fast, checkpointed" "hybrid off" \

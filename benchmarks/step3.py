@@ -51,6 +51,9 @@ MODES = {
     "ours fast, scored in training": HYBRID + ["--score_in_training_forward"],
     # activation checkpointing of both trained models: peak memory against recomputation
     "ours fast, checkpointed": HYBRID + CHECKPOINTED,
+    # torch's multi-tensor AdamW (its GPU default) in place of the fused one
+    "ours fast, foreach Adam": HYBRID + ["--adam_kernel", "foreach"],
+    "ours fast, checkpointed, foreach Adam": HYBRID + CHECKPOINTED + ["--adam_kernel", "foreach"],
     # a copied inference replica of the actor where (one rank, ZeRO-3) views of its shards serve
     "ours fast, replica copied": HYBRID,
     # ZeRO-2 (and ZeRO-0) at world size 1: what ZeRO-3's hooks, fetches and partitioned

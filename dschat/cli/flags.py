@@ -114,6 +114,10 @@ def add_offload_args(g, offload_help: str) -> None:
     g.add_argument("--offload_pin_memory", action="store_true",
                    help="With --offload: page-locked host buffers for the offloaded state (faster copies "
                         "to and from the GPU; the host memory they take cannot be swapped).")
+    g.add_argument("--adam_kernel", default="fused", choices=("fused", "foreach"),
+                   help="Without --offload, torch AdamW's kernel: fused (one kernel per tensor, no "
+                        "full-size temporaries) or foreach (torch's multi-tensor default on GPUs). "
+                        "With --offload DeepSpeed's CPU Adam steps.")
 
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:

@@ -30,7 +30,7 @@ def grouped_parameters(model: nn.Module, weight_decay: float, lora_lr: float = 5
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: float,
-                    offload: bool, betas=(0.9, 0.95)) -> torch.optim.Optimizer:
+                    offload: bool, fused: bool = True, betas=(0.9, 0.95)) -> torch.optim.Optimizer:
     """DeepSpeed's CPU Adam when the optimizer state is offloaded, else torch's fused AdamW.
 
     torch's AdamW runs on every accelerator (and on the CPU test machines) without a JIT
@@ -43,7 +43,7 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, lora_lr
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=_fused_supported(groups))
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused and _fused_supported(groups))
 
 
 def _fused_supported(groups: list[dict]) -> bool:

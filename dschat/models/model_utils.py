@@ -184,7 +184,8 @@ def train_engine(model, args, ds_config: dict, num_update_steps: int):
     from dschat.engine.zero import initialize_engine
 
     optimizer = build_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                lora_lr=args.lora_learning_rate, offload=args.offload)
+                                lora_lr=args.lora_learning_rate, offload=args.offload,
+                                fused=getattr(args, "adam_kernel", "fused") == "fused")
     scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
                                    num_update_steps)
     return initialize_engine(model, ds_config, args.zero3_hook_granularity, optimizer=optimizer,
