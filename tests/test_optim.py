@@ -22,7 +22,8 @@ def test_upstream_groups_decay_no_decay_and_lora():
 def _train(fused: bool) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
     torch.manual_seed(0)
     model = Tiny()
-    opt = build_optimizer(model, lr=1e-2, weight_decay=0.1, lora_lr=5e-3, offload=False, fused=fused)
+    opt = build_optimizer(model, lr=1e-2, weight_decay=0.1, lora_lr=5e-3, offload=False,
+                          adam_kernel="fused" if fused else "foreach")
     g = torch.Generator().manual_seed(1)
     for _ in range(5):
         for p in model.parameters():

@@ -30,20 +30,21 @@ def grouped_parameters(model: nn.Module, weight_decay: float, lora_lr: float = 5
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: float,
-                    offload: bool, fused: bool = True, betas=(0.9, 0.95)) -> torch.optim.Optimizer:
-    """DeepSpeed's CPU Adam when the optimizer state is offloaded, else torch's fused AdamW.
+                    offload: bool, adam_kernel: str = "fused", betas=(0.9, 0.95)) -> torch.optim.Optimizer:
+    """DeepSpeed's CPU Adam when the optimizer state is offloaded, else torch's AdamW with
+    `adam_kernel` (--adam_kernel: "fused" where every parameter's device has the kernel, or "foreach").
 
     torch's AdamW runs on every accelerator (and on the CPU test machines) without a JIT
     build; DeepSpeedCPUAdam is what makes offloaded steps fast. The fused form is one kernel
     over each tensor: the default multi-tensor form makes about ten passes and allocates
     full-size temporaries (e.g. sqrt(v)) while ZeRO's fp32 master partitions step, which
-    adds to the step's memory peak (CPU, 50M parameters: 0.035 s a step against 0.139).
+    adds to the step's memory peak (benchmarks/RESULTS.md, table 3: `device_run.sh adam`).
     """
     groups = grouped_parameters(model, weight_decay, lora_lr)
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused and _fused_supported(groups))
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=adam_kernel == "fused" and _fused_supported(groups))
 
 
 def _fused_supported(groups: list[dict]) -> bool:

@@ -185,7 +185,7 @@ def train_engine(model, args, ds_config: dict, num_update_steps: int):
 
     optimizer = build_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay,
                                 lora_lr=args.lora_learning_rate, offload=args.offload,
-                                fused=getattr(args, "adam_kernel", "fused") == "fused")
+                                adam_kernel=args.adam_kernel)
     scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
                                    num_update_steps)
     return initialize_engine(model, ds_config, args.zero3_hook_granularity, optimizer=optimizer,
