@@ -2,10 +2,9 @@
 # One run of the GPU benchmarks (see benchmarks/RESULTS.md). Run from a checkout
 # on the GPU machine with the wheels of benchmarks/GPU_SETUP.md in .whl/:
 #   bash benchmarks/device_run.sh MODE OUT_DIR     (MODE: one of the names below)
-# largest: the largest actors step 3 trains on one GPU: OPT-13B with an OPT-350m critic, LLaMA-7B
-#   with a TinyLlama critic, LoRA; then (left out with LARGEST_FULL=0 on 80 GB cards) full
-#   fine-tuning: LLaMA-7B with 25% of the optimizer on the host, OPT-13B with 55% of it and the
-#   reference's weights there
+# largest: the largest actors step 3 trains on one GPU, LoRA and (left out with LARGEST_FULL=0 on
+#   80 GB cards) full fine-tuning: LLaMA-7B with a TinyLlama critic (30% of the optimizer on the
+#   host), then OPT-13B with an OPT-350m critic (55% of it and the reference's weights there)
 # presets: every one-GPU preset through steps 1-3, 5 steps each, smallest first (presets_run.py);
 #   PRESETS="a b" runs those, in that order
 # check: the CUDA tests (kernels against their references, graph replay against HF, refill,
@@ -20,10 +19,12 @@
 #   reference's weights on the host)
 # big7b: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps: full fine-tuning, both
 #   trained models checkpointed, $OFFLOAD_RATIO (0.25) of the optimizer on the host (pinned); LoRA
-#   checkpointed; hybrid off (3 steps). Then at 0.15 with the reference's weights on the host.
+#   checkpointed; hybrid off (3 steps)
+# big7blow: the same full fine-tuning at 0.15 with the reference's weights on the host
 # step3offload1: the replica A/B, then bloom-7b1 at one ratio ($OFFLOAD_RATIO, 0.25) beside hybrid off
 # rate: the bf16 matmul rate at step 3's training shapes (bloom-560m, bloom-1b7) and the step's limit
-# adam: bloom-560m step 3 with torch's fused AdamW (the default) against its multi-tensor one
+# adam: bloom-560m step 3 with torch's fused AdamW (the default) against its multi-tensor one, in both orders
+# small16: bloom-560m step 3 within 16 GiB (optimizer states on the host, or a LoRA actor) beside ours fast
 # attn: bloom-560m step 3 with Bloom's fused attention (the default) against HF's eager one, ours
 #   fast, scored in the training forwards and checkpointed, beside hybrid off
 # 1b7: step 3 with a bloom-1b7 actor and a bloom-560m critic: ours fast, checkpointed, hybrid off
@@ -86,6 +87,7 @@ elif [ "$what" = big7b ]; then
     --hybrid_off_steps 3 --offload_ratio ${OFFLOAD_RATIO:-0.25} --modes "ours fast, optimizer offloaded, checkpointed, pinned" \
     "ours fast, LoRA, checkpointed" "hybrid off, optimizer offloaded, checkpointed" \
     --out "$out/step3_7b1.md" 2>&1 | grep --line-buffered -v -i warn
+elif [ "$what" = big7blow ]; then
   python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 20 --warmup 3 \
     --offload_ratio 0.15 --modes "ours fast, optimizer offloaded, checkpointed, pinned, reference offloaded" \
     --out "$out/step3_7b1.md" 2>&1 | grep --line-buffered -v -i warn
@@ -103,8 +105,17 @@ elif [ "$what" = rate ]; then
   python3 benchmarks/matmul_rate.py --bandwidth $bw --out "$out/matmul_rate_560m.md"
   python3 benchmarks/matmul_rate.py --bandwidth $bw --hidden 2048 --out "$out/matmul_rate_1b7.md"
 elif [ "$what" = adam ]; then
+  # both orders in one call (A B, then B A): a whole step's speed drifts between a process's first and later modes
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast, foreach Adam" "ours fast" \
+    --out "$out/step3_adam.md" 2>&1 | grep --line-buffered -v -i warn
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast" "ours fast, foreach Adam" \
-    "ours fast, checkpointed" "ours fast, checkpointed, foreach Adam" --out "$out/step3_adam.md" 2>&1 | grep --line-buffered -v -i warn
+    --out "$out/step3_adam.md" 2>&1 | grep --line-buffered -v -i warn
+elif [ "$what" = small16 ]; then
+  # bloom-560m step 3 at table 3's shapes within 16 GiB: all of both optimizers on the host
+  # (DeepSpeedCPUAdam), or a LoRA actor; both checkpointed; beside ours fast and hybrid off
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --hybrid_off_steps 3 --offload_ratio 1.0 \
+    --modes "ours fast" "ours fast, optimizer offloaded, checkpointed, pinned" "ours fast, LoRA, checkpointed" \
+    "hybrid off" --out "$out/step3_small16.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = attn ]; then
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --hybrid_off_steps 3 --modes "ours fast" \
     "ours fast, eager attention" "ours fast, scored in training" "ours fast, checkpointed" "hybrid off" \
@@ -119,14 +130,17 @@ elif [ "$what" = largest ]; then
   # LLaMA-7B, and OPT-13B, whose 16 bytes/param of training state (206 GB) plus its reference fit
   # only split between the GPU (weights, gradients, 45% of the optimizer) and the host (55% of the
   # optimizer, 85 GB; the reference's weights, 26 GB)
-  python3 benchmarks/step3.py --preset opt-13b --critic_preset opt-350m --batch 8 --steps 6 --warmup 2 \
-    --modes "ours fast, LoRA, checkpointed" --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
+  # LLaMA-7B first (its LoRA row, then full fine-tuning with 30% of the optimizer on the host), then OPT-13B
   python3 benchmarks/step3.py --preset llama-7b --critic_preset tinyllama-1.1b --batch 8 --steps 10 --warmup 3 \
     --modes "ours fast, LoRA, checkpointed" --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
   if [ "${LARGEST_FULL:-1}" = 1 ]; then
     python3 benchmarks/step3.py --preset llama-7b --critic_preset tinyllama-1.1b --batch 8 --steps 10 --warmup 3 \
-      --offload_ratio 0.25 --modes "ours fast, optimizer offloaded, checkpointed, pinned" \
+      --offload_ratio 0.3 --modes "ours fast, optimizer offloaded, checkpointed, pinned" \
       --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
+  fi
+  python3 benchmarks/step3.py --preset opt-13b --critic_preset opt-350m --batch 8 --steps 6 --warmup 2 \
+    --modes "ours fast, LoRA, checkpointed" --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
+  if [ "${LARGEST_FULL:-1}" = 1 ]; then
     python3 benchmarks/step3.py --preset opt-13b --critic_preset opt-350m --batch 8 --steps 6 --warmup 2 \
       --offload_ratio 0.55 --modes "ours fast, optimizer offloaded, checkpointed, reference offloaded" \
       --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
