@@ -199,3 +199,12 @@ def test_activation_bytes_counts_the_eager_probabilities():
     (eager, _), (sdpa, _) = mod.per_block("eager", a), mod.per_block("sdpa", a)
     scores = a.batch * a.heads * a.tokens * a.tokens
     assert eager - sdpa == 6 * scores - 4 * a.batch * a.heads * a.tokens, (eager, sdpa)
+
+
+def test_lora_merge_memory_runs_both_merges(tmp_path):
+    """benchmarks/lora_merge_memory.py at a tiny LLaMA shape: both merges run, each in its
+    own process, and report a row."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.lora_merge_memory", "--model",
+                          str(REPO / "configs/tiny/llama.json"), "--lora_dim", "4"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "| all deltas first |" in out and "| ours |" in out and "ours / all deltas first" in out

@@ -48,6 +48,46 @@ def test_save_roundtrip(tmp_path, tokenizer, name, lora):
     assert tok2.pad_token_id == tokenizer.pad_token_id and len(tok2) == len(tokenizer)
 
 
+def test_lora_merge_holds_one_delta_at_a_time(tokenizer, monkeypatch):
+    """The merge at the final save of a LoRA run builds one fp32 delta at a time and frees
+    each base weight as it copies it: holding every delta at once (4 bytes per LoRA'd
+    parameter) ran a 7B run's host out of memory after its last step. The live weights
+    are left as they were, and the merge equals peft's own."""
+    import weakref
+
+    from dschat.models import lora as lora_mod
+
+    model = apply_lora(create_hf_model(str(CONFIGS / "llama.json"), tokenizer, seed=7), 4)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    live = {n: p.detach().clone() for n, p in model.named_parameters()}
+    alive, most_alive = [], 0
+    real_delta = lora_mod.lora_delta
+
+    def tracked_delta(*args):
+        nonlocal most_alive
+        delta = real_delta(*args)
+        alive.append(weakref.ref(delta))
+        most_alive = max(most_alive, sum(r() is not None for r in alive))
+        return delta
+
+    monkeypatch.setattr(lora_mod, "lora_delta", tracked_delta)
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    bases = {n: weakref.ref(t) for n, t in state.items() if ".base_layer." in n}
+    merged = lora_mod.merged_state_dict(model, state)
+    assert len(alive) == len(lora_mod.lora_layers(model)) > 0
+    assert most_alive == 1, f"{most_alive} fp32 deltas were alive at once"
+    assert state == {}, "the merge consumes the state it is given"
+    assert all(r() is None for r in bases.values()), "a base weight outlived its merged copy"
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), live[n]), f"{n} was modified"
+    reference = model.merge_and_unload().state_dict()
+    assert merged.keys() == {k for k in reference if k in merged} and len(merged) > 0
+    for k, v in merged.items():
+        torch.testing.assert_close(v, reference[k], rtol=1e-6, atol=1e-6)
+
+
 def test_dropout_override(tokenizer):
     model = create_hf_model(str(CONFIGS / "opt.json"), tokenizer, dropout=0.3)
     assert model.config.dropout == model.config.attention_dropout == 0.3

@@ -56,9 +56,17 @@ def test_left_padded_end_index():
 
 
 @pytest.mark.parametrize("family", ["bloom", "opt", "llama"])
-def test_save_load_roundtrip_and_dschat_format(tmp_path, tokenizer, family):
+@pytest.mark.parametrize("lora", [0, 4])
+def test_save_load_roundtrip_and_dschat_format(tmp_path, tokenizer, family, lora):
+    from dschat.models.lora import apply_lora
+
     model = create_reward_model(str(CONFIGS / f"{family}.json"), tokenizer, seed=4).eval()
     torch.nn.init.normal_(model.v_head.weight, std=0.5)
+    if lora:  # a step-3 critic with LoRA saves its backbone with the adapters merged
+        model.rwtransformer = apply_lora(model.rwtransformer, lora)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.05)
     ids, mask = pair_batch()
     with torch.no_grad():
         want = model.forward_value(ids, mask)["chosen_end_scores"]
@@ -67,6 +75,8 @@ def test_save_load_roundtrip_and_dschat_format(tmp_path, tokenizer, family):
     loaded = load_reward_model(tmp_path / "ours", tokenizer).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded.forward_value(ids, mask)["chosen_end_scores"], want)
+    if lora:
+        return
     # hand-made DS-Chat checkpoint: config.json + pytorch_model.bin with rwtransformer.* / v_head
     ds = tmp_path / "dschat"
     ds.mkdir()

@@ -220,8 +220,9 @@ def save_reward_model(model, tokenizer, output_dir: str | Path, *, rank: int = 0
     if rank != 0:
         return
     prefix = "rwtransformer."
+    # popped from `full`, so that the merge can free each base weight as it copies it
     backbone_state = merged_state_dict(module.rwtransformer, {
-        k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)})
+        k[len(prefix):]: full.pop(k) for k in [k for k in full if k.startswith(prefix)]})
     state = {prefix + k: v.contiguous() for k, v in backbone_state.items()}
     state["v_head.weight"] = full["v_head.weight"].contiguous()
     output_dir = Path(output_dir)
