@@ -86,3 +86,26 @@ def test_resume_after_both_kills_loses_at_most_one_interval_and_matches_an_unint
     assert sorted(got) == list(range(1, STEPS + 1))  # metrics.jsonl reads as one run
     assert got == want, (got, want)  # bit-exact: steps 1-4 from the first launch, 5-8 after resume
     assert (run / "model.safetensors").exists()
+
+
+def test_short_host_memory_checkpoints_before_the_final_save_so_a_kill_there_loses_nothing(tmp_path):
+    """Rank 0 gathers the final weights in host memory; where less is available than the
+    save needs, the trained state is checkpointed first, so the host killing the process in
+    the save (a 7B LoRA step 3 ended so) costs nothing: --resume writes the models."""
+    from tests.dist.resume_utils import STEP3, make_step3_models, step3_argv
+
+    actor, critic = make_step3_models(tmp_path)
+    run = tmp_path / "run"
+    argv = step3_argv(run, tmp_path / "cache", actor, critic, steps=2, extra=["--actor_lora_dim", "4"])
+    proc = launch(STEP3, argv, timeout=300, env={"DSCHAT_TEST_HOST_AVAILABLE_GIB": "1e-6",
+                                                 "DSCHAT_TEST_KILL_AT": "hf_save:1", "DSCHAT_TEST_KILL_RANK": "0"})
+    assert proc.returncode != 0 and "DSCHAT_TEST_KILL_AT=hf_save:1: SIGKILL" in proc.stdout, proc.stdout[-3000:]
+    assert "the final save needs about" in proc.stdout and "--resume" in proc.stdout, proc.stdout[-3000:]
+    assert complete_steps(run) == [2]                   # no --save_interval: this is the guard's checkpoint
+    assert not (run / "actor" / "model.safetensors").exists()
+
+    proc = launch(STEP3, argv + ["--resume"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "the final save needs about" not in proc.stdout  # enough memory: no checkpoint first
+    for folder in ("actor", "critic", "actor_ema"):
+        assert (run / folder / "model.safetensors").is_file(), folder

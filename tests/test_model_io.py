@@ -88,6 +88,17 @@ def test_lora_merge_holds_one_delta_at_a_time(tokenizer, monkeypatch):
         torch.testing.assert_close(v, reference[k], rtol=1e-6, atol=1e-6)
 
 
+def test_final_save_host_bytes_counts_the_gathered_state_and_one_merge(tokenizer):
+    from dschat.engine.zero import final_save_host_bytes
+
+    small = create_hf_model(str(CONFIGS / "bloom.json"), tokenizer, seed=7)
+    model = apply_lora(create_hf_model(str(CONFIGS / "llama.json"), tokenizer, seed=7), 4).to(torch.bfloat16)
+    params = list(model.parameters())
+    want = 2 * sum(p.numel() for p in params) + 8 * max(p.numel() for p in params)
+    assert final_save_host_bytes(model) == want
+    assert final_save_host_bytes(small, model) == max(want, final_save_host_bytes(small))
+
+
 def test_dropout_override(tokenizer):
     model = create_hf_model(str(CONFIGS / "opt.json"), tokenizer, dropout=0.3)
     assert model.config.dropout == model.config.attention_dropout == 0.3

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from dschat.data import create_prompt_dataset
 from dschat.engine.train_utils import log_train_step, make_loader, micro_batch_groups
+from dschat.engine.zero import final_save_host_bytes
 from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, Resumed, fault_point, skip_batches
 from dschat.utils.dist import get_rank, get_world_size
 from dschat.utils.logging import print_rank_0
@@ -95,10 +96,11 @@ def train_epochs(*, desc: str, engine, loader, ckpt: Checkpointer, resumed: Opti
 
 
 def finish(ckpt: Checkpointer, write_model: Callable[[], None], save: Callable[[], object], output_dir: str,
-           run_config: dict, result: dict, metrics) -> None:
-    """The final model (a failed write checkpoints the trained state first, see
-    Checkpointer.save_final), then training_config.json with the last evaluation."""
-    ckpt.save_final(write_model, save, output_dir)
+           run_config: dict, result: dict, metrics, model) -> None:
+    """The final model (a failed write, or too little host memory for `model`'s, checkpoints
+    the trained state first, see Checkpointer.save_final), then training_config.json with the
+    last evaluation."""
+    ckpt.save_final(write_model, save, output_dir, final_save_host_bytes(model))
     if get_rank() == 0:
         run_config["final_eval"] = result
         save_json(run_config, f"{output_dir}/training_config.json")
@@ -149,8 +151,9 @@ class Run:
                             print_loss=args.print_loss, train_step=train_step, run_eval=run_eval)
 
     def finish(self, write_model: Callable[[], None], save: Callable[[], object], output_dir: str,
-               result: dict) -> None:
-        finish(self.ckpt, write_model, save, output_dir, self.config, result, self.metrics)
+               result: dict, model) -> None:
+        """`write_model` writes `model` (its engine) to `output_dir`."""
+        finish(self.ckpt, write_model, save, output_dir, self.config, result, self.metrics, model)
 
 
 def start_run(args, engine, device, **config_extra) -> Run:

@@ -110,6 +110,19 @@ def full_state_dict(model, *, rank0_only: bool = True, rank: int = 0) -> dict:
     return state
 
 
+def final_save_host_bytes(*models) -> int:
+    """Host memory rank 0 needs to write the largest of `models` (engines or modules) as an
+    HF folder: the state `full_state_dict` gathers, in each parameter's dtype, plus an fp32
+    copy and an fp32 LoRA delta of the largest weight (the merge builds one at a time)."""
+    need = 0
+    for model in models:
+        _, module = engine_and_module(model)
+        sizes = [(getattr(p, "ds_numel", p.numel()), p.element_size()) for p in module.parameters()]
+        if sizes:
+            need = max(need, sum(n * b for n, b in sizes) + 8 * max(n for n, _ in sizes))
+    return need
+
+
 def params_left_gathered(module: nn.Module) -> list[str]:
     """Names of ZeRO-3 params that are not back to NOT_AVAILABLE (gathered or in flight).
 

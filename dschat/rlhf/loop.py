@@ -14,6 +14,7 @@ from dschat.data import DataCollatorRLHF, create_prompt_dataset, create_unsuperv
 from dschat.data.chat import ChatFormat
 from dschat.data.tokenize import end_of_conversation_text
 from dschat.engine.train_utils import abandon_accumulation, make_loader, to_device
+from dschat.engine.zero import final_save_host_bytes
 from dschat.models.model_utils import load_tokenizer, save_hf_format
 from dschat.models.reward_model import save_reward_model
 from dschat.rlhf.algorithm import kl_settings, reward_fn_specs, reward_weights, uses_reward_model
@@ -345,7 +346,8 @@ def train_step3(args) -> None:
             save_hf_format(engines.ema, tokenizer, os.path.join(args.output_dir, "actor_ema"), rank=get_rank())
 
     if not args.skip_final_save:
-        ckpt.save_final(write_models, save, args.output_dir)
+        ckpt.save_final(write_models, save, args.output_dir, final_save_host_bytes(
+            *(e for e in (engines.actor, engines.critic, engines.ema) if e is not None)))
         print_rank_0(f"saved actor/{' and critic/' if engines.critic is not None else ''} to {args.output_dir}")
     if get_rank() == 0:
         save_json(run_config, os.path.join(args.output_dir, "training_config.json"))

@@ -304,16 +304,29 @@ class Checkpointer:
         print_rank_0(f"saved checkpoint {final} ({time.time() - start:.1f}s)")
         return final
 
-    def save_final(self, write_models, save, where: str) -> None:
+    def save_final(self, write_models, save, where: str, host_bytes_needed: int = 0) -> None:
         """Write the run's final models with `write_models()` (a collective) without risking
         the run: if it fails on any rank, the trained state is saved first with `save()` (a
         complete checkpoint), then `FinalSaveFailed` says in one line how to get the models
         from it (rerun with --resume: a run resumed at its last step only writes them).
 
+        A process the host kills for memory cannot save anything, so when rank 0 (which
+        gathers the weights) has less host memory available than `host_bytes_needed`, the
+        checkpoint is written before the models are.
+
         Every rank must reach the agreement after `write_models`, so a failure is caught
         wherever it happens on a rank; one inside a collective that another rank never
         joins would still hang (DeepSpeed's own timeouts apply).
         """
+        path = None
+        available = dist.host_available_bytes() if dist.get_rank() == 0 else None
+        short = dist.broadcast_object(available is not None and available < host_bytes_needed)
+        if short:
+            path = save()
+            print_rank_0(f"the final save needs about {host_bytes_needed / 2 ** 30:.1f} GiB of host memory on "
+                         f"rank 0 and {available / 2 ** 30 if available is not None else 0:.1f} GiB are "
+                         f"available: the trained state is saved in {path} first (if the save is killed, "
+                         "rerun the same command with --resume to write the model from it)")
         error = None
         try:
             write_models()
@@ -323,7 +336,7 @@ class Checkpointer:
         failed = [(r, e) for r, e in enumerate(dist.all_gather_object(error)) if e is not None]
         if not failed:
             return
-        path = save()
+        path = path or save()
         rank, message = failed[0]
         raise FinalSaveFailed(
             f"writing the final model to {where} failed on rank {rank} ({message}); the trained state "

@@ -195,6 +195,22 @@ def peak_memory_gib(device: torch.device) -> float:
     return host_peak_gib()
 
 
+def host_available_bytes() -> int | None:
+    """Host memory the kernel can still give this node's processes (MemAvailable), None where
+    unknown. DSCHAT_TEST_HOST_AVAILABLE_GIB stands in for it (tests only)."""
+    forced = os.environ.get("DSCHAT_TEST_HOST_AVAILABLE_GIB")
+    if forced:
+        return int(float(forced) * 2 ** 30)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def host_peak_gib() -> float:
     """This process's peak resident set in host memory (what offloaded optimizer states cost)."""
     try:

@@ -64,7 +64,7 @@ def main(argv=None):
     result, save = run.train(desc="step 1 (SFT)", engine=engine, data=data, args=args, device=device,
                              train_step=one_step, run_eval=run_eval)
     run.finish(lambda: save_hf_format(engine, tokenizer, args.output_dir, rank=get_rank()), save,
-               args.output_dir, result)
+               args.output_dir, result, engine)
     print_rank_0(f"saved the model to {args.output_dir}")
 
 

@@ -100,7 +100,7 @@ def main(argv=None):
     result, save = run.train(desc="step 2 (DPO)", engine=policy, data=data, args=args, device=device,
                              train_step=one_step, run_eval=run_eval)
     run.finish(lambda: save_hf_format(policy, tokenizer, args.output_dir, rank=get_rank()), save,
-               args.output_dir, result)
+               args.output_dir, result, policy)
     print_rank_0(f"saved the DPO model to {args.output_dir}")
 
 

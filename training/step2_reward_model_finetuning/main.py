@@ -80,7 +80,7 @@ def main(argv=None):
         desc="step 2 (reward model)", engine=engine, data=data, args=args, device=device, run_eval=run_eval,
         train_step=lambda group, step: (train_step(engine, group, device, world, run.guard, step), None))
     run.finish(lambda: save_reward_model(engine, tokenizer, args.output_dir, rank=get_rank()), save,
-               args.output_dir, result)
+               args.output_dir, result, engine)
     print_rank_0(f"saved the reward model to {args.output_dir}")
 
 
