@@ -8,7 +8,9 @@ against the merge that builds every fp32 delta first, side by side in one run.
 The saved state is what `full_state_dict` gathers: a bf16 copy of every weight, adapters
 included. Each mode runs in its own process and reports the peak resident set during the
 merge (sampled every millisecond) minus the resident set just before it, so the merge's own
-cost is measured and one mode's freed memory cannot hide the other's peak.
+cost is measured and one mode's freed memory cannot hide the other's peak. A third process
+runs the whole save (`save_hf_format`: gather, merge, write) and prints it beside the
+estimate the final save checks host memory against (`final_save_host_bytes`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -47,7 +50,9 @@ def measure(mode: str, a) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from benchmarks.generation import PRESETS
+    from dschat.engine.zero import final_save_host_bytes
     from dschat.models.lora import apply_lora, lora_layers, merged_state_dict
+    from dschat.models.model_utils import load_tokenizer, save_hf_format
 
     torch.manual_seed(0)
     if a.model in PRESETS:
@@ -57,7 +62,8 @@ def measure(mode: str, a) -> dict:
         config = AutoConfig.from_pretrained(a.model)
     torch.set_default_dtype(torch.bfloat16)     # built in bf16: no fp32 copy before the merge
     model = apply_lora(AutoModelForCausalLM.from_config(config), a.lora_dim)
-    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # the merges start from the gathered state; the whole save gathers it itself
+    state = {n: p.detach().clone() for n, p in model.named_parameters()} if mode != "whole save" else None
     lora_params = sum(m.base_layer.weight.numel() for m in lora_layers(model).values())
     proc = psutil.Process()
     before = proc.memory_info().rss
@@ -71,14 +77,21 @@ def measure(mode: str, a) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    merged = merge_all_deltas_first(model, state) if mode == "all deltas first" else merged_state_dict(model, state)
+    if mode == "whole save":
+        with tempfile.TemporaryDirectory() as folder:
+            save_hf_format(model, load_tokenizer(None), folder)
+        merged = {}
+    elif mode == "all deltas first":
+        merged = merge_all_deltas_first(model, state)
+    else:
+        merged = merged_state_dict(model, state)
     seconds = time.perf_counter() - start
     done.set()
     sampler.join()
     peak[0] = max(peak[0], proc.memory_info().rss)
     return {"mode": mode, "seconds": seconds, "extra_gib": (peak[0] - before) / 2 ** 30,
             "state_gib": sum(t.numel() * t.element_size() for t in merged.values()) / 2 ** 30,
-            "lora_params": lora_params}
+            "lora_params": lora_params, "estimate_gib": final_save_host_bytes(model) / 2 ** 30}
 
 
 def main(argv=None) -> int:
@@ -91,7 +104,7 @@ def main(argv=None) -> int:
         print(json.dumps(measure(a.mode, a)))
         return 0
     rows = {}
-    for mode in ("all deltas first", "ours"):
+    for mode in ("all deltas first", "ours", "whole save"):
         # a child per mode, run as a module so that `benchmarks.` imports resolve from the checkout
         out = subprocess.run([sys.executable, "-m", "benchmarks.lora_merge_memory", *(argv or sys.argv[1:]),
                               "--mode", mode], capture_output=True, text=True, check=True)
@@ -101,10 +114,13 @@ def main(argv=None) -> int:
           f"of {r['state_gib']:.2f} GiB (fp32 deltas of every LoRA'd weight: {r['lora_params'] * 4 / 2 ** 30:.2f} GiB)")
     print("| merge | host memory above the gathered state (GiB) | seconds |")
     print("|---|---|---|")
-    for mode, row in rows.items():
-        print(f"| {mode} | {row['extra_gib']:.2f} | {row['seconds']:.2f} |")
+    for mode in ("all deltas first", "ours"):
+        print(f"| {mode} | {rows[mode]['extra_gib']:.2f} | {rows[mode]['seconds']:.2f} |")
     ratio = rows["ours"]["extra_gib"] / max(rows["all deltas first"]["extra_gib"], 1e-9)
     print(f"ours / all deltas first: memory {ratio:.2f}x")
+    save = rows["whole save"]
+    print(f"the whole save_hf_format of the LoRA model (gather, merge, write): {save['extra_gib']:.2f} GiB above the "
+          f"model, {save['seconds']:.2f} s; final_save_host_bytes' estimate of it: {save['estimate_gib']:.2f} GiB")
     return 0
 
 

@@ -208,3 +208,4 @@ def test_lora_merge_memory_runs_both_merges(tmp_path):
                           str(REPO / "configs/tiny/llama.json"), "--lora_dim", "4"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "| all deltas first |" in out and "| ours |" in out and "ours / all deltas first" in out
+    assert "final_save_host_bytes' estimate" in out
