@@ -5,8 +5,9 @@
 #   bash benchmarks/device_queue.sh watch SECONDS [DEST]    # wait (ends early when the queue is done),
 #                                                           # print progress, copy the results to DEST
 # Each mode writes /tmp/dq/out/MODE.log and its tables (*.md) into /tmp/dq/out; a mode's failure
-# is logged and the next one runs. `watch` also keeps the last lines of each preset's step logs
-# (/tmp/dq/out/preset_logs) and copies the tables, the progress and one archive of every log.
+# is logged and the next one runs; benchmarks/step3.py's random models are removed after each.
+# `watch` also keeps the last lines of each preset's step logs (/tmp/dq/out/preset_logs) and
+# copies the tables, the progress and one archive of every log.
 set -uo pipefail
 Q=/tmp/dq
 cmd=${1:-}; shift || true
@@ -21,6 +22,10 @@ elif [ "$cmd" = run ]; then
   for mode in "$@"; do
     log "$mode start"
     ${DEVICE_RUN:-bash benchmarks/device_run.sh} "$mode" $Q/out > $Q/out/$mode.log 2>&1; log "$mode done (rc $?)"
+    # step3.py keeps its random models for reuse (40 GB after `largest`): a full disk failed the
+    # next mode's build of DeepSpeed's CPU Adam, so each mode starts with them gone
+    rm -rf "${STEP3_WORKDIR:-/tmp/dschat_step3_bench}"
+    log "disk free: $(df -h /tmp | awk 'NR == 2 {print $4}')"
   done
   log "queue done"
 elif [ "$cmd" = watch ]; then
