@@ -56,3 +56,27 @@ def test_adam_kernel_flag_in_steps_1_2_and_3():
         assert parser.get_default("adam_kernel") == "fused"
         known, _ = parser.parse_known_args(argv + ["--adam_kernel", "foreach"])
         assert known.adam_kernel == "foreach"
+
+
+def test_a_cpu_adam_that_cannot_build_is_one_error_naming_offload():
+    """--offload's optimizer is DeepSpeed's CPU Adam, compiled at first use; where that fails
+    (here: an extension folder that cannot be created; on a GPU machine: a full disk) the
+    error names the flag and the cause instead of DeepSpeed's bare "failed to build/load"."""
+    import subprocess
+    import sys
+
+    from tests.dist_utils import REPO
+    from tests.dist_utils import test_env as subprocess_env
+
+    code = ("import torch\n"
+            "from dschat.engine.optim import build_optimizer\n"
+            "from dschat.utils.errors import UserInputError\n"
+            "try:\n"
+            "    build_optimizer(torch.nn.Linear(4, 4), lr=1e-3, weight_decay=0.0, lora_lr=1e-3, offload=True)\n"
+            "except UserInputError as e:\n"
+            "    print('USER ERROR:', e)\n")
+    env = {**subprocess_env(), "TORCH_EXTENSIONS_DIR": "/proc/no_such_dir"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600).stdout
+    assert "USER ERROR: --offload needs DeepSpeed's CPU Adam op" in out, out
+    assert "FileNotFoundError" in out and "TORCH_EXTENSIONS_DIR" in out, out

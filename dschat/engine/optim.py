@@ -5,6 +5,8 @@ import torch
 import torch.nn as nn
 from transformers import get_scheduler
 
+from dschat.utils.errors import UserInputError
+
 NO_DECAY_KEYS = ("bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight",
                  "ln_1.weight", "ln_2.weight", "word_embeddings_layernorm.weight")
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
@@ -43,7 +45,16 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, lora_lr
     groups = grouped_parameters(model, weight_decay, lora_lr)
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-        return DeepSpeedCPUAdam(groups, lr=lr, betas=betas)
+        try:
+            return DeepSpeedCPUAdam(groups, lr=lr, betas=betas)
+        except RuntimeError as e:  # the op is compiled at first use; DeepSpeed's message hides why it failed
+            cause = e.__cause__ or e
+            raise UserInputError(
+                f"--offload needs DeepSpeed's CPU Adam op, which failed to build or load here "
+                f"({type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''}). It is "
+                "compiled at first use into $TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions), which needs a C++ "
+                "compiler, ninja and free disk there; `DS_BUILD_CPU_ADAM=1 pip install deepspeed` builds it "
+                "ahead. Or train without --offload.") from None
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=adam_kernel == "fused" and _fused_supported(groups))
 
 
