@@ -11,6 +11,15 @@ def is_zero3_param(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id")
 
 
+def full_numel(p: torch.Tensor) -> int:
+    """Elements of the full (unpartitioned) tensor."""
+    return int(p.ds_numel) if is_zero3_param(p) else p.numel()
+
+
+def full_nbytes(p: torch.Tensor) -> int:
+    return full_numel(p) * p.dtype.itemsize
+
+
 def gathered(params: Iterable[torch.Tensor], modifier_rank=None, enabled: bool = True):
     """`deepspeed.zero.GatheredParameters` over the ZeRO-3 params among `params`."""
     import deepspeed
@@ -119,9 +128,9 @@ def final_save_host_bytes(*models) -> int:
     need = 0
     for model in models:
         _, module = engine_and_module(model)
-        sizes = [(getattr(p, "ds_numel", p.numel()), p.element_size()) for p in module.parameters()]
-        if sizes:
-            need = max(need, sum(n * b for n, b in sizes) + 8 * max(n for n, _ in sizes))
+        params = list(module.parameters())
+        if params:
+            need = max(need, sum(full_nbytes(p) for p in params) + 8 * max(full_numel(p) for p in params))
     return need * 5 // 4
 
 
@@ -200,8 +209,7 @@ def use_block_granularity(ds_config: dict, model: nn.Module, granularity: str = 
         name = type(block).__name__
         classes = list(zero.get("leaf_module", {}).get("classes", DEFAULT_LEAF_MODULE_CLASSES))
         zero["leaf_module"] = {"classes": classes + [name] if name not in classes else classes}
-    # ds_numel: the full size of a parameter already partitioned by zero.Init
-    numel = sum(getattr(p, "ds_numel", p.numel()) for p in block.parameters())
+    numel = sum(full_numel(p) for p in block.parameters())  # partitioned by zero.Init already
     for key, blocks in (("stage3_prefetch_bucket_size", 1), ("stage3_max_live_parameters", 2)):
         zero[key] = max(zero.get(key, 0), blocks * numel)
     return ds_config

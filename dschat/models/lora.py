@@ -75,7 +75,7 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     unchanged. It is consumed: each entry leaves `state` as its merged copy is made, and
     each fp32 delta lives only while its own weight is merged, so the merge adds about one
     weight's worth of host memory. (Holding every delta at once cost 4 bytes per LoRA'd
-    parameter, 26 GB at 7B, and the host ran out of memory at the end of a 7B LoRA run.)
+    parameter, about 25 GB at 7B: the host ran out of memory at the end of a 7B LoRA run.)
     The trained tensors are never modified. (peft's own merge, `merge_and_unload` /
     `get_delta_weight`, reads the live adapter weights, which ZeRO-3 holds partitioned; the
     hybrid engine's replica fill uses it inside a gather.)

@@ -45,7 +45,7 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn as nn
 
-from dschat.engine.zero import is_zero3_param
+from dschat.engine.zero import full_nbytes, full_numel, is_zero3_param
 from dschat.registry import family_of, head_is_tied, resolve, unwrap_peft
 from dschat.utils.attention import attention_of, use_attention
 from dschat.utils.logging import get_logger, is_rank_0
@@ -58,15 +58,6 @@ _HOLD_ID = -0x0D5C
 
 
 # --------------------------------------------------------------------------- plan
-
-def full_numel(p: torch.Tensor) -> int:
-    """Elements of the full (unpartitioned) tensor."""
-    return int(p.ds_numel) if is_zero3_param(p) else p.numel()
-
-
-def full_nbytes(p: torch.Tensor) -> int:
-    return full_numel(p) * p.dtype.itemsize
-
 
 @dataclass
 class GatherGroup:

@@ -319,14 +319,13 @@ class Checkpointer:
         joins would still hang (DeepSpeed's own timeouts apply).
         """
         path = None
-        available = dist.host_available_bytes() if dist.get_rank() == 0 else None
-        short = dist.broadcast_object(available is not None and available < host_bytes_needed)
-        if short:
+        available = dist.broadcast_object(dist.host_available_bytes() if dist.get_rank() == 0 else None)
+        if available is not None and available < host_bytes_needed:
             path = save()
             print_rank_0(f"the final save needs about {host_bytes_needed / 2 ** 30:.1f} GiB of host memory on "
-                         f"rank 0 and {available / 2 ** 30 if available is not None else 0:.1f} GiB are "
-                         f"available: the trained state is saved in {path} first (if the save is killed, "
-                         "rerun the same command with --resume to write the model from it)")
+                         f"rank 0 and {available / 2 ** 30:.1f} GiB are available: the trained state is saved "
+                         f"in {path} first (if the save is killed, rerun the same command with --resume to "
+                         "write the model from it)")
         error = None
         try:
             write_models()
