@@ -24,6 +24,11 @@
 # step3offload1: the replica A/B, then bloom-7b1 at one ratio ($OFFLOAD_RATIO, 0.25) beside hybrid off
 # rate: the bf16 matmul rate at step 3's training shapes (bloom-560m, bloom-1b7) and the step's limit
 # adam: bloom-560m step 3 with torch's fused AdamW (the default) against its multi-tensor one, in both orders
+# bf16opt: bloom-560m step 3 with bf16 optimizer state (--optimizer_dtype bf16), plain and
+#   checkpointed, beside ours fast and hybrid off
+# big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
+#   bf16 optimizer state on the GPU (no host offload), checkpointed, beside hybrid off (3 steps);
+#   on a GPU under 100 GB the reference's weights on the host
 # small16: bloom-560m step 3 within 16 GiB (optimizer states on the host, or a LoRA actor) beside ours fast
 # attn: bloom-560m step 3 with Bloom's fused attention (the default) against HF's eager one, ours
 #   fast, scored in the training forwards and checkpointed, beside hybrid off
@@ -110,6 +115,19 @@ elif [ "$what" = adam ]; then
     --out "$out/step3_adam.md" 2>&1 | grep --line-buffered -v -i warn
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --modes "ours fast" "ours fast, foreach Adam" \
     --out "$out/step3_adam.md" 2>&1 | grep --line-buffered -v -i warn
+elif [ "$what" = bf16opt ]; then
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --hybrid_off_steps 3 \
+    --modes "ours fast" "ours fast, bf16 optimizer" "ours fast, bf16 optimizer, checkpointed" \
+    "hybrid off, bf16 optimizer, checkpointed" --out "$out/step3_bf16opt.md" 2>&1 | grep --line-buffered -v -i warn
+elif [ "$what" = big7bbf16 ]; then
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  modes=("ours fast, bf16 optimizer, checkpointed, reference offloaded"
+         "hybrid off, bf16 optimizer, checkpointed, reference offloaded")
+  [ "$mem" -gt 100000 ] && modes=("ours fast, bf16 optimizer, checkpointed" "${modes[0]}" \
+                                  "hybrid off, bf16 optimizer, checkpointed")
+  python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 20 --warmup 3 \
+    --hybrid_off_steps 3 --modes "${modes[@]}" \
+    --out "$out/step3_7b1_bf16.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = small16 ]; then
   # bloom-560m step 3 at table 3's shapes within 16 GiB: all of both optimizers on the host
   # (DeepSpeedCPUAdam), or a LoRA actor; both checkpointed; beside ours fast and hybrid off

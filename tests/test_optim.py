@@ -1,4 +1,6 @@
-"""The optimizer as steps 1-3 build it: upstream's parameter groups and torch's fused AdamW."""
+"""The optimizer as steps 1-3 build it: upstream's parameter groups, torch's fused AdamW and the
+bf16-state AdamW of --optimizer_dtype bf16."""
+import pytest
 import torch
 import torch.nn as nn
 
@@ -80,3 +82,100 @@ def test_a_cpu_adam_that_cannot_build_is_one_error_naming_offload():
                          timeout=600).stdout
     assert "USER ERROR: --offload needs DeepSpeed's CPU Adam op" in out, out
     assert "FileNotFoundError" in out and "TORCH_EXTENSIONS_DIR" in out, out
+
+
+# --optimizer_dtype bf16: StochasticRoundingAdamW
+
+def test_stochastic_rounding_is_unbiased_between_the_two_neighbours():
+    from dschat.engine.low_precision_adam import stochastic_round_
+    g = torch.Generator().manual_seed(0)
+    for value, low, high in ((1.0 + 2 ** -10, 1.0, 1.0 + 2 ** -7), (-3.3, -3.3125, -3.296875)):
+        src = torch.full((400_000,), value)
+        dst = torch.empty(src.shape, dtype=torch.bfloat16)
+        stochastic_round_(dst, src.clone(), g)
+        assert set(dst.float().unique().tolist()) == {low, high}
+        # the mean is the fp32 value (a standard error here is ~1e-5 of the spacing's scale)
+        assert abs(dst.double().mean().item() - value) < 2e-5 * abs(high - low) / 2 ** -7, dst.double().mean()
+    exact = torch.tensor([0.5, -2.0, 3.0e-5], dtype=torch.bfloat16).float()   # bf16 values stay as they are
+    out = torch.empty(3, dtype=torch.bfloat16)
+    stochastic_round_(out, exact.clone(), g)
+    assert torch.equal(out.float(), exact)
+
+
+def test_fp32_parameters_step_as_torch_adamw():
+    from dschat.engine.low_precision_adam import StochasticRoundingAdamW
+    torch.manual_seed(0)
+    w = torch.randn(300, 37)
+    a, b = w.clone().requires_grad_(), w.clone().requires_grad_()
+    ours = StochasticRoundingAdamW([b], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    torch_adamw = torch.optim.AdamW([a], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    for _ in range(5):
+        g = torch.randn_like(w)
+        a.grad, b.grad = g.clone(), g.clone()
+        torch_adamw.step()
+        ours.step()
+    assert not torch.equal(a, w)
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+def test_small_bf16_updates_add_up_with_stochastic_rounding_and_vanish_with_nearest():
+    """The reason for stochastic rounding: at lr 1e-4 an Adam step moves a weight of 1.0 by
+    1e-4, below half of bf16's spacing there (2^-8). Round to nearest (torch's AdamW on bf16
+    weights) writes 1.0 back every step; stochastic rounding moves the mean by lr per step."""
+    from dschat.engine.low_precision_adam import StochasticRoundingAdamW
+    lr, steps, n = 1e-4, 300, 20_000
+    ours = torch.ones(n, dtype=torch.bfloat16, requires_grad=True)
+    nearest = torch.ones(n, dtype=torch.bfloat16, requires_grad=True)
+    opt = StochasticRoundingAdamW([ours], lr=lr, weight_decay=0.0, generator=torch.Generator().manual_seed(0))
+    plain = torch.optim.AdamW([nearest], lr=lr, weight_decay=0.0)
+    for _ in range(steps):
+        ours.grad = torch.ones(n, dtype=torch.bfloat16)   # a constant gradient: each Adam step is -lr
+        nearest.grad = torch.ones(n, dtype=torch.bfloat16)
+        opt.step()
+        plain.step()
+    assert torch.equal(nearest.float(), torch.ones(n))
+    assert abs(ours.double().mean().item() - (1 - lr * steps)) < 0.02 * lr * steps, ours.double().mean()
+    assert opt.state[ours]["exp_avg"].dtype == torch.bfloat16 == opt.state[ours]["exp_avg_sq"].dtype
+
+
+def test_optimizer_dtype_flag_needs_bf16_zero_and_no_offload():
+    import argparse
+
+    from dschat.cli import flags
+    from dschat.cli.validate import _offload_knobs
+    parser = argparse.ArgumentParser()
+    flags.add_model_train_args(parser, learning_rate=1e-3)
+    base = ["--model_name_or_path", "m"]
+    assert parser.parse_known_args(base)[0].optimizer_dtype == "fp32"
+    args = parser.parse_known_args(base + ["--optimizer_dtype", "bf16", "--dtype", "bf16"])[0]
+    assert _offload_knobs(args, (3,)) == []
+    args = parser.parse_known_args(base + ["--optimizer_dtype", "bf16", "--dtype", "fp32", "--offload"])[0]
+    problems = " | ".join(_offload_knobs(args, (0,)))
+    for needle in ("needs --dtype bf16", "ZeRO stage 1, 2 or 3", "drop --offload"):
+        assert needle in problems, problems
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_bf16_master_weights_in_deepspeed_are_the_weight_partitions(tmp_path, stage):
+    """Real ZeRO engines on 2 CPU ranks: with --optimizer_dtype bf16 the master weights are the
+    bf16 weight partitions themselves (no copy), the moments bf16: 4 bytes of optimizer state
+    per trained element against fp32's 12. It trains like fp32 state over 6 steps, and a
+    checkpoint restores the master weights and moments exactly."""
+    import json
+
+    from tests.dist_utils import REPO, run_deepspeed
+    run_deepspeed(REPO / "tests/dist/bf16_optimizer.py", ["--stage", stage, "--out", tmp_path / "r"])
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"r.rank{rank}.json").read_text())
+        fp32, bf16 = r["fp32"], r["bf16"]
+        assert (fp32["optimizer"], bf16["optimizer"]) == ("AdamW", "StochasticRoundingAdamW")
+        assert fp32["master_dtype"] == "torch.float32" and not fp32["master_is_the_bf16_partition"]
+        assert bf16["master_dtype"] == "torch.bfloat16" and bf16["master_is_the_bf16_partition"], bf16
+        assert bf16["moment_dtypes"] == ["torch.bfloat16"] and fp32["moment_dtypes"] == ["torch.float32"]
+        assert (bf16["optimizer_bytes_per_element"], fp32["optimizer_bytes_per_element"]) == (4.0, 12.0)
+        for run in (fp32, bf16):
+            assert run["loaded"] == run["saved"], run
+        assert bf16["losses"][0] == fp32["losses"][0]                 # same weights, same batch
+        assert max(abs(a - b) for a, b in zip(bf16["losses"], fp32["losses"])) < 0.05, (bf16, fp32)
+        drop = {k: run["losses"][0] - min(run["losses"]) for k, run in r.items()}
+        assert drop["fp32"] > 0.3 and drop["bf16"] > 0.8 * drop["fp32"], drop     # it learns as fp32 does

@@ -118,6 +118,13 @@ def add_offload_args(g, offload_help: str) -> None:
                    help="Without --offload, torch AdamW's kernel: fused (one kernel per tensor, no "
                         "full-size temporaries) or foreach (torch's multi-tensor default on GPUs). "
                         "With --offload DeepSpeed's CPU Adam steps.")
+    g.add_argument("--optimizer_dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="Precision of the optimizer's state. fp32 (default): fp32 master weights and Adam "
+                        "moments, 16 bytes per trained parameter with the bf16 weights and gradients. bf16: "
+                        "the bf16 weights are the master weights, the moments bf16, the weights written "
+                        "with stochastic rounding so small updates still add up (8 bytes per parameter; "
+                        "benchmarks/RESULTS.md measures its learning against fp32). Needs --dtype bf16, ZeRO "
+                        "stage 1-3 for every trained model and no --offload.")
 
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:

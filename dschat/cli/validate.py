@@ -106,6 +106,15 @@ def _offload_knobs(args, trained_stages) -> list[str]:
     for flag in ("offload_optimizer_only", "offload_pin_memory"):
         if getattr(args, flag) and not args.offload:
             out.append(f"--{flag} needs --offload")
+    if args.optimizer_dtype == "bf16":
+        if args.dtype != "bf16":
+            out.append(f"--optimizer_dtype bf16 needs --dtype bf16 (got --dtype {args.dtype})")
+        if 0 in trained_stages:
+            out.append("--optimizer_dtype bf16 needs ZeRO stage 1, 2 or 3 for every trained model: DeepSpeed keeps "
+                       "bf16 master weights only in its ZeRO optimizers")
+        if args.offload:
+            out.append("--optimizer_dtype bf16 keeps the optimizer on the GPU: drop --offload (or keep fp32 state "
+                       "and offload it)")
     return out
 
 
@@ -237,7 +246,9 @@ def step3_problems(args) -> list[str]:
     # ZeRO stages and offload
     if args.offload and args.actor_zero_stage == 0 and args.critic_zero_stage == 0:
         out.append("--offload needs --actor_zero_stage or --critic_zero_stage >= 1")
-    out += _offload_knobs(args, (args.actor_zero_stage, args.critic_zero_stage))
+    from dschat.rlhf.algorithm import uses_critic
+    trained = (args.actor_zero_stage, args.critic_zero_stage) if uses_critic(args) else (args.actor_zero_stage,)
+    out += _offload_knobs(args, trained)
     if args.offload_reference_model and frozen_stage(args.reference_zero_stage, args.actor_zero_stage) != 3:
         out.append("--offload_reference_model needs the reference model at ZeRO-3: --actor_zero_stage 3 "
                    "(it follows the actor) or --reference_zero_stage 3; at stage 0 there is nothing to offload")

@@ -11,9 +11,13 @@ from contextlib import contextmanager
 DTYPES = ("fp32", "fp16", "bf16")
 
 
-def _precision_section(dtype: str) -> dict:
+def _precision_section(dtype: str, optimizer_dtype: str = "fp32") -> dict:
     if dtype == "fp16":
         return {"fp16": {"enabled": True, "loss_scale_window": 100, "initial_scale_power": 16}}
+    if dtype == "bf16" and optimizer_dtype == "bf16":
+        # the bf16 weight partitions are the master weights; the moments are bf16 too
+        # (StochasticRoundingAdamW keeps its moments in the parameters' dtype)
+        return {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
     if dtype == "bf16":
         return {"bf16": {"enabled": True}}
     if dtype == "fp32":
@@ -59,7 +63,7 @@ def _zero_section(stage: int, offload: bool, *, persistence_threshold: float,
 def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
                     gradient_accumulation_steps: int = 1, offload: bool = False,
                     offload_params: bool = True, offload_ratio: float = 1.0, offload_pin_memory: bool = False,
-                    gradient_clipping: float = 1.0, persistence_threshold: float = 1e4,
+                    optimizer_dtype: str = "fp32", gradient_clipping: float = 1.0, persistence_threshold: float = 1e4,
                     max_live_parameters: float = 3e7, prefetch_bucket_size: float = 3e7,
                     enable_tensorboard: bool = False, tensorboard_path: str = "",
                     job_name: str = "dschat") -> dict:
@@ -79,7 +83,10 @@ def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
-    config.update(_precision_section(dtype))
+    if optimizer_dtype != "fp32" and (dtype != optimizer_dtype or zero_stage == 0 or offload):
+        raise ValueError(f"optimizer_dtype {optimizer_dtype} needs dtype {optimizer_dtype}, ZeRO stage 1-3 and no "
+                         f"offload (got dtype {dtype}, stage {zero_stage}, offload {offload})")
+    config.update(_precision_section(dtype, optimizer_dtype))
     if enable_tensorboard:
         config["tensorboard"] = {"enabled": True, "output_path": f"{tensorboard_path}/ds_tensorboard_logs/",
                                  "job_name": f"{job_name}_tensorboard"}
@@ -87,10 +94,12 @@ def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
 
 
 def offload_options(args) -> dict:
-    """train_ds_config's offload keywords from the flags of add_offload_args (every step)."""
+    """train_ds_config's offload and optimizer-state keywords from the flags of add_offload_args
+    (every step)."""
     return {"offload": bool(args.offload), "offload_params": not getattr(args, "offload_optimizer_only", False),
             "offload_ratio": float(getattr(args, "offload_ratio", 1.0)),
-            "offload_pin_memory": bool(getattr(args, "offload_pin_memory", False))}
+            "offload_pin_memory": bool(getattr(args, "offload_pin_memory", False)),
+            "optimizer_dtype": getattr(args, "optimizer_dtype", "fp32")}
 
 
 def eval_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int = 1,

@@ -32,9 +32,11 @@ def grouped_parameters(model: nn.Module, weight_decay: float, lora_lr: float = 5
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, lora_lr: float,
-                    offload: bool, adam_kernel: str = "fused", betas=(0.9, 0.95)) -> torch.optim.Optimizer:
-    """DeepSpeed's CPU Adam when the optimizer state is offloaded, else torch's AdamW with
-    `adam_kernel` (--adam_kernel: "fused" where every parameter's device has the kernel, or "foreach").
+                    offload: bool, adam_kernel: str = "fused", optimizer_dtype: str = "fp32",
+                    betas=(0.9, 0.95)) -> torch.optim.Optimizer:
+    """DeepSpeed's CPU Adam when the optimizer state is offloaded; StochasticRoundingAdamW for
+    bf16 master weights (--optimizer_dtype bf16); else torch's AdamW with `adam_kernel`
+    (--adam_kernel: "fused" where every parameter's device has the kernel, or "foreach").
 
     torch's AdamW runs on every accelerator (and on the CPU test machines) without a JIT
     build; DeepSpeedCPUAdam is what makes offloaded steps fast. The fused form is one kernel
@@ -55,6 +57,9 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, lora_lr
                 "compiled at first use into $TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions), which needs a C++ "
                 "compiler, ninja and free disk there; `DS_BUILD_CPU_ADAM=1 pip install deepspeed` builds it "
                 "ahead. Or train without --offload.") from None
+    if optimizer_dtype == "bf16":
+        from dschat.engine.low_precision_adam import StochasticRoundingAdamW
+        return StochasticRoundingAdamW(groups, lr=lr, betas=betas)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=adam_kernel == "fused" and _fused_supported(groups))
 
 

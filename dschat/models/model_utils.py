@@ -185,7 +185,7 @@ def train_engine(model, args, ds_config: dict, num_update_steps: int):
 
     optimizer = build_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay,
                                 lora_lr=args.lora_learning_rate, offload=args.offload,
-                                adam_kernel=args.adam_kernel)
+                                adam_kernel=args.adam_kernel, optimizer_dtype=args.optimizer_dtype)
     scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
                                    num_update_steps)
     return initialize_engine(model, ds_config, args.zero3_hook_granularity, optimizer=optimizer,

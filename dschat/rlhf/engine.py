@@ -110,7 +110,7 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
         actor.gradient_checkpointing_enable()
     opt = build_optimizer(actor, lr=args.actor_learning_rate, weight_decay=args.actor_weight_decay,
                           lora_lr=args.actor_lora_learning_rate, offload=args.offload,
-                          adam_kernel=args.adam_kernel)
+                          adam_kernel=args.adam_kernel, optimizer_dtype=args.optimizer_dtype)
     sched = build_lr_scheduler(opt, args.lr_scheduler_type, args.num_warmup_steps, num_total_iters)
     actor_engine = initialize_engine(actor, actor_cfg, hooks, optimizer=opt, lr_scheduler=sched)
     print_rank_0(f"actor engine ready (ZeRO-{args.actor_zero_stage})")
@@ -155,7 +155,7 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
             critic.gradient_checkpointing_enable()
         opt = build_optimizer(critic, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay,
                               lora_lr=args.critic_lora_learning_rate, offload=args.offload,
-                              adam_kernel=args.adam_kernel)
+                              adam_kernel=args.adam_kernel, optimizer_dtype=args.optimizer_dtype)
         sched = build_lr_scheduler(opt, args.lr_scheduler_type, args.num_warmup_steps, num_total_iters)
         critic_engine = initialize_engine(critic, critic_cfg, hooks, optimizer=opt, lr_scheduler=sched)
         print_rank_0(f"critic engine ready (ZeRO-{args.critic_zero_stage})")
