@@ -45,7 +45,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     rounding. fp32 parameters are updated exactly as torch's AdamW would."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, generator: torch.Generator | None = None):
+                 weight_decay: float = 1e-2, generator: torch.Generator | None = None, stochastic: bool = True):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
@@ -53,6 +53,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       amsgrad=False, maximize=False))
         self.generator = generator
+        self.stochastic = stochastic    # False: round to nearest (benchmarks/optimizer_dtype.py's contrast)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -97,7 +98,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 self._write(dst, src)
 
     def _write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst.dtype == torch.bfloat16:
+        if dst.dtype == torch.bfloat16 and self.stochastic:
             stochastic_round_(dst, src, self.generator)
         elif dst.data_ptr() != src.data_ptr():
             dst.copy_(src)

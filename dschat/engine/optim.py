@@ -1,6 +1,8 @@
 """Optimizer, parameter groups and LR schedule, as upstream DeepSpeed-Chat builds them."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 from transformers import get_scheduler
@@ -59,7 +61,9 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, lora_lr
                 "ahead. Or train without --offload.") from None
     if optimizer_dtype == "bf16":
         from dschat.engine.low_precision_adam import StochasticRoundingAdamW
-        return StochasticRoundingAdamW(groups, lr=lr, betas=betas)
+        # DSCHAT_BF16_ROUNDING=nearest: the contrast benchmarks/optimizer_dtype.py measures, not a user option
+        return StochasticRoundingAdamW(groups, lr=lr, betas=betas,
+                                       stochastic=os.environ.get("DSCHAT_BF16_ROUNDING", "stochastic") != "nearest")
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=adam_kernel == "fused" and _fused_supported(groups))
 
 
