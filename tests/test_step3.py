@@ -202,10 +202,16 @@ def test_lora_actor_reference_is_its_base_with_adapters_off(sft_and_rm, tmp_path
     assert abs(a[0]["ppo/kl"]) < 1e-6 < abs(a[-1]["ppo/kl"])       # LoRA B starts at 0: the actor is its base
 
 
-def test_bf16_actor_and_critic_at_zero3(sft_and_rm, tmp_path):
-    # upstream cannot build its critic here: fp32 value head beside a bf16 backbone
-    run_deepspeed(STEP3, step3_args(sft_and_rm, tmp_path, 2, ["--enable_hybrid_engine", "--dtype", "bf16"]))
-    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 2
+@pytest.mark.parametrize("optimizer_dtype", ["fp32", "bf16"])
+def test_bf16_actor_and_critic_at_zero3(sft_and_rm, tmp_path, optimizer_dtype):
+    # upstream cannot build its critic here: fp32 value head beside a bf16 backbone; with bf16
+    # optimizer state both trained models step their bf16 weights as master weights
+    run_deepspeed(STEP3, step3_args(sft_and_rm, tmp_path, 2, ["--enable_hybrid_engine", "--dtype", "bf16",
+                                                              "--optimizer_dtype", optimizer_dtype]))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 2 and all(r["ppo/actor_loss"] == r["ppo/actor_loss"] for r in rows)    # finite
+    for model in ("actor", "critic"):
+        assert (tmp_path / model / "config.json").exists()
 
 
 def test_clear_errors_before_any_model_loads(sft_and_rm, tmp_path):
