@@ -101,6 +101,18 @@ def test_deepspeed_estimators_beside_the_rule_of_thumb(e2e):
     assert len(ds) == 3 and "trained models only" in ds[2] and "host memory per node" in ds[2], lines
 
 
+def test_memory_rule_with_bf16_optimizer_state():
+    """--optimizer_dtype bf16: the bf16 weights are the master weights and the moments bf16, so
+    4 bytes/param of optimizer state in place of fp32's 12 (tests/test_optim.py counts them in
+    DeepSpeed's engines)."""
+    assert presets.model_state_gb(1.0, 3, 1) == 16.0
+    assert presets.model_state_gb(1.0, 3, 1, optimizer_dtype="bf16") == 8.0
+    assert presets.model_state_gb(1.0, 1, 4, optimizer_dtype="bf16") == 2 + 2 + 4 / 4
+    flags = {"actor_zero_stage": 3, "critic_zero_stage": 3, "optimizer_dtype": "bf16", "enable_hybrid_engine": True}
+    parts = presets.step_memory_gb(3, flags, {"params_billion": 7.0}, {"params_billion": 0.5}, 1)
+    assert parts["actor"] == 56.0 and parts["critic"] == 4.0 and parts["reference"] == 14.0, parts
+
+
 def plan_steps(e2e, name, deployment, tmp="/tmp/dschat-preset-check"):
     args = e2e.parse_args(["--actor-model", name, "--deployment-type", deployment, "--output-dir", tmp])
     actor = presets.resolve_model(args.actor_model, "actor", None, False, Path(tmp))

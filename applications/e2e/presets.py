@@ -151,13 +151,18 @@ def deployment_row(preset: dict, deployment: str, low_memory: bool = False) -> d
 GPU_BUDGET = 0.5  # model states may take this share of GPU memory; the rest: activations, logits, KV cache
 
 
+OPTIMIZER_BYTES = {"fp32": 12, "bf16": 4}   # per trained parameter beside its weight and gradient (--optimizer_dtype)
+
+
 def model_state_gb(params_b: float, stage: int, gpus: int, *, trained: bool = True, offload: bool = False,
-                   lora_params_b: float = 0.0) -> float:
+                   lora_params_b: float = 0.0, optimizer_dtype: str = "fp32") -> float:
     """Per-GPU GB of one model's states under ZeRO: the rule of thumb the presets follow.
 
     Trained with Adam in mixed precision: 16 bytes/param (2 weights + 2 grads + 12 fp32
     master weights and moments); stage 1 partitions the 12 over the GPUs, stage 2 also the
     grads, stage 3 everything; --offload moves the 12 (and at stage 3 the weights) to CPU.
+    With --optimizer_dtype bf16 the weights are the master weights and the moments bf16: 4
+    in place of the 12.
     LoRA with --only_optimize_lora: the base weights are frozen (2 bytes/param) and only
     the LoRA weights carry the 16. Frozen models (reference, reward): 2 bytes/param,
     partitioned at stage 3 only, on the CPU when offloaded at stage 3.
@@ -167,8 +172,8 @@ def model_state_gb(params_b: float, stage: int, gpus: int, *, trained: bool = Tr
         return 0.0 if offload and stage == 3 else 2 * params_b / (n if stage == 3 else 1)
     if lora_params_b:
         base = 0.0 if offload and stage == 3 else 2 * params_b / (n if stage == 3 else 1)
-        return base + model_state_gb(lora_params_b, stage, gpus, offload=offload)
-    weights, grads, optim = 2 * params_b, 2 * params_b, 12 * params_b
+        return base + model_state_gb(lora_params_b, stage, gpus, offload=offload, optimizer_dtype=optimizer_dtype)
+    weights, grads, optim = 2 * params_b, 2 * params_b, OPTIMIZER_BYTES[optimizer_dtype] * params_b
     if offload and stage >= 1:
         optim = 0.0
         if stage == 3:
@@ -191,16 +196,18 @@ def step_memory_gb(step: int, flags: dict, actor: dict, critic: dict, gpus: int)
     """Per-GPU GB of model states in one step, from its final flags and the two presets."""
     a_b, c_b = actor.get("params_billion", 0.0), critic.get("params_billion", 0.0)
     offload, only_lora = bool(flags.get("offload")), bool(flags.get("only_optimize_lora"))
+    opt_dtype = flags.get("optimizer_dtype", "fp32")
     if step in (1, 2):
         preset, size = (actor, a_b) if step == 1 else (critic, c_b)
         lora = lora_params(preset, flags.get("lora_dim", 0)) if only_lora else 0.0
-        return {"total": model_state_gb(size, flags["zero_stage"], gpus, offload=offload, lora_params_b=lora)}
+        return {"total": model_state_gb(size, flags["zero_stage"], gpus, offload=offload, lora_params_b=lora,
+                                        optimizer_dtype=opt_dtype)}
     a_stage, c_stage = flags["actor_zero_stage"], flags["critic_zero_stage"]
     frozen = lambda stage: 3 if stage == 3 else 0  # noqa: E731 - as dschat.rlhf.engine
     parts = {
-        "actor": model_state_gb(a_b, a_stage, gpus, offload=offload,
+        "actor": model_state_gb(a_b, a_stage, gpus, offload=offload, optimizer_dtype=opt_dtype,
                                 lora_params_b=lora_params(actor, flags.get("actor_lora_dim", 0)) if only_lora else 0),
-        "critic": model_state_gb(c_b, c_stage, gpus, offload=offload,
+        "critic": model_state_gb(c_b, c_stage, gpus, offload=offload, optimizer_dtype=opt_dtype,
                                  lora_params_b=(lora_params(critic, flags.get("critic_lora_dim", 0))
                                                 if only_lora else 0)),
         # a LoRA actor with a frozen base is its own reference (adapters off): no copy
