@@ -109,3 +109,21 @@ def test_short_host_memory_checkpoints_before_the_final_save_so_a_kill_there_los
     assert "the final save needs about" not in proc.stdout  # enough memory: no checkpoint first
     for folder in ("actor", "critic", "actor_ema"):
         assert (run / folder / "model.safetensors").is_file(), folder
+
+
+def test_a_failed_checkpoint_before_the_final_save_does_not_stop_the_models_being_written(tmp_path):
+    """The checkpoint that short host memory puts before the final save fails on every rank
+    (as on a full disk): the run says so and still writes its models."""
+    from tests.dist.resume_utils import STEP3, make_step3_models, step3_argv
+
+    actor, critic = make_step3_models(tmp_path)
+    run = tmp_path / "run"
+    argv = step3_argv(run, tmp_path / "cache", actor, critic, steps=2)
+    proc = launch(STEP3, argv, timeout=300, env={"DSCHAT_TEST_HOST_AVAILABLE_GIB": "1e-6",
+                                                 "DSCHAT_TEST_FAIL_AT": "save:1", "DSCHAT_TEST_KILL_RANK": "all"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "the checkpoint meant to come first failed (OSError: DSCHAT_TEST_FAIL_AT=save:1" in proc.stdout, \
+        proc.stdout[-3000:]
+    assert complete_steps(run) == []
+    for folder in ("actor", "critic"):
+        assert (run / folder / "model.safetensors").is_file(), folder

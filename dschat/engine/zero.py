@@ -221,7 +221,8 @@ def initialize_engine(model: nn.Module, ds_config: dict, hook_granularity: str =
     import deepspeed
     engine, *_ = deepspeed.initialize(model=model, config=use_block_granularity(ds_config, model, hook_granularity),
                                       **kwargs)
-    master_weights_in_place(engine)
+    if (ds_config.get("bf16") or {}).get("bf16_master_weights_and_grads"):
+        master_weights_in_place(engine)
     return engine
 
 

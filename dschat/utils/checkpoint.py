@@ -21,7 +21,7 @@ SIGKILL itself after step 5 / inside its 2nd save (engine states written, no mar
 DSCHAT_TEST_NONFINITE="3,4" makes that rank see a NaN loss at those update steps
 (DSCHAT_TEST_NONFINITE_NAME picks one check: "loss", "reward", "actor_loss", "critic_loss");
 DSCHAT_TEST_FAIL_AT="hf_save:1" makes that rank raise OSError at the point instead of dying
-(the writing of the first final model folder).
+(the writing of the first final model folder); DSCHAT_TEST_KILL_RANK="all" picks every rank.
 """
 from __future__ import annotations
 
@@ -210,8 +210,8 @@ def _fault_rank() -> int:
 
 def fault_point(kind: str, n: int) -> None:
     """SIGKILL this process at the point DSCHAT_TEST_KILL_AT names, or raise OSError at the
-    one DSCHAT_TEST_FAIL_AT names (tests only)."""
-    if dist.get_rank() != _fault_rank():
+    one DSCHAT_TEST_FAIL_AT names (tests only), on rank DSCHAT_TEST_KILL_RANK ("all": every rank)."""
+    if os.environ.get("DSCHAT_TEST_KILL_RANK") != "all" and dist.get_rank() != _fault_rank():
         return
     if _kill_spec() == (kind, n):
         print(f"[rank{dist.get_rank()}] DSCHAT_TEST_KILL_AT={kind}:{n}: SIGKILL", flush=True)
@@ -312,7 +312,8 @@ class Checkpointer:
 
         A process the host kills for memory cannot save anything, so when rank 0 (which
         gathers the weights) has less host memory available than `host_bytes_needed`, the
-        checkpoint is written before the models are.
+        checkpoint is written before the models are; if that checkpoint fails on every rank
+        (a full disk), the models are still written.
 
         Every rank must reach the agreement after `write_models`, so a failure is caught
         wherever it happens on a rank; one inside a collective that another rank never
@@ -321,11 +322,16 @@ class Checkpointer:
         path = None
         available = dist.broadcast_object(dist.host_available_bytes() if dist.get_rank() == 0 else None)
         if available is not None and available < host_bytes_needed:
-            path = save()
-            print_rank_0(f"the final save needs about {host_bytes_needed / 2 ** 30:.1f} GiB of host memory on "
-                         f"rank 0 and {available / 2 ** 30:.1f} GiB are available: the trained state is saved "
-                         f"in {path} first (if the save is killed, rerun the same command with --resume to "
-                         "write the model from it)")
+            need = (f"the final save needs about {host_bytes_needed / 2 ** 30:.1f} GiB of host memory on rank 0 "
+                    f"and {available / 2 ** 30:.1f} GiB are available")
+            try:
+                path = save()
+                print_rank_0(f"{need}: the trained state is saved in {path} first (if the save is killed, rerun "
+                             "the same command with --resume to write the model from it)")
+            except Exception as e:  # e.g. a full disk: the models may still fit; try them rather than stop here
+                logger.exception(f"rank {dist.get_rank()}: the checkpoint before the final save failed")
+                print_rank_0(f"{need}, and the checkpoint meant to come first failed ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:300] if str(e) else ''}): writing the models anyway")
         error = None
         try:
             write_models()
