@@ -24,8 +24,8 @@
 # step3offload1: the replica A/B, then bloom-7b1 at one ratio ($OFFLOAD_RATIO, 0.25) beside hybrid off
 # rate: the bf16 matmul rate at step 3's training shapes (bloom-560m, bloom-1b7) and the step's limit
 # adam: bloom-560m step 3 with torch's fused AdamW (the default) against its multi-tensor one, in both orders
-# bf16opt: bloom-560m step 3 with bf16 optimizer state (--optimizer_dtype bf16), plain and
-#   checkpointed, beside ours fast and hybrid off
+# bf16opt: bloom-560m step 3 with bf16 optimizer state (--optimizer_dtype bf16), plain,
+#   checkpointed and checkpointed in 2 training micro-batches, beside ours fast and hybrid off
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
 #   bf16 optimizer state on the GPU (no host offload), checkpointed, beside hybrid off (3 steps);
 #   on a GPU under 100 GB the reference's weights on the host
@@ -118,6 +118,7 @@ elif [ "$what" = adam ]; then
 elif [ "$what" = bf16opt ]; then
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --hybrid_off_steps 3 \
     --modes "ours fast" "ours fast, bf16 optimizer" "ours fast, bf16 optimizer, checkpointed" \
+    "ours fast, bf16 optimizer, checkpointed, 2 micro-batches" \
     "hybrid off, bf16 optimizer, checkpointed" --out "$out/step3_bf16opt.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = big7bbf16 ]; then
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)

@@ -34,6 +34,7 @@ PINNED = ["--offload_pin_memory"]
 REFERENCE_OFFLOADED = ["--offload_reference_model"]
 LORA = ["--actor_lora_dim", "128", "--only_optimize_lora"]
 BF16_OPTIMIZER = ["--optimizer_dtype", "bf16"]
+TWO_MICRO = ["--per_device_training_batch_size", "8", "--gradient_accumulation_steps", "2"]   # after --batch 16
 
 MODES = {
     "hybrid off": [],
@@ -82,6 +83,8 @@ MODES = {
     # bf16): 8 bytes of training state per parameter in place of 16, no host offload
     "ours fast, bf16 optimizer": HYBRID + BF16_OPTIMIZER,
     "ours fast, bf16 optimizer, checkpointed": HYBRID + BF16_OPTIMIZER + CHECKPOINTED,
+    # the same samples per optimizer step trained as two micro-batches (half the activations)
+    "ours fast, bf16 optimizer, checkpointed, 2 micro-batches": HYBRID + BF16_OPTIMIZER + CHECKPOINTED + TWO_MICRO,
     "ours fast, bf16 optimizer, checkpointed, reference offloaded":
         HYBRID + BF16_OPTIMIZER + CHECKPOINTED + REFERENCE_OFFLOADED,
     "hybrid off, bf16 optimizer, checkpointed": BF16_OPTIMIZER + CHECKPOINTED,
