@@ -28,7 +28,7 @@
 #   checkpointed and checkpointed in 2 training micro-batches, beside ours fast and hybrid off
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
 #   bf16 optimizer state on the GPU (no host offload), checkpointed, beside hybrid off (3 steps);
-#   on a GPU under 100 GB the reference's weights on the host
+#   on a GPU under 100 GB with the reference's weights on the host
 # small16: bloom-560m step 3 within 16 GiB (optimizer states on the host, or a LoRA actor) beside ours fast
 # attn: bloom-560m step 3 with Bloom's fused attention (the default) against HF's eager one, ours
 #   fast, scored in the training forwards and checkpointed, beside hybrid off
@@ -124,8 +124,7 @@ elif [ "$what" = big7bbf16 ]; then
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   modes=("ours fast, bf16 optimizer, checkpointed, reference offloaded"
          "hybrid off, bf16 optimizer, checkpointed, reference offloaded")
-  [ "$mem" -gt 100000 ] && modes=("ours fast, bf16 optimizer, checkpointed" "${modes[0]}" \
-                                  "hybrid off, bf16 optimizer, checkpointed")
+  [ "$mem" -gt 100000 ] && modes=("ours fast, bf16 optimizer, checkpointed" "hybrid off, bf16 optimizer, checkpointed")
   python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 20 --warmup 3 \
     --hybrid_off_steps 3 --modes "${modes[@]}" \
     --out "$out/step3_7b1_bf16.md" 2>&1 | grep --line-buffered -v -i warn
