@@ -207,6 +207,9 @@ def test_zero3_families_lora_full_layered_hooks(tmp_path):
             for key, tol in (("logprob_full_vs_live", 1e-4), ("logprob_layered_vs_live", 1e-4),
                              ("logprob_full_vs_ref", 1e-5), ("logprob_full_vs_ref_after_step", 1e-5)):
                 assert c[key] < tol, f"{tag}: {key}={c[key]}"
+            # the trainer's fused-output-layer scoring; the live module's unmerged LoRA as above
+            for mode, tol in (("full", 1e-5), ("layered", 1e-5), ("off", 1e-4)):
+                assert c[f"fused_active_{mode}"] and c[f"logprob_fused_{mode}_vs_ref"] < tol, (tag, mode)
             assert c["full_fill_bytes"] == c["plan_bytes"], tag
             assert c["full_peak_live"] == c["max_pair_bytes"], tag   # next group's gather overlapped
             assert c["full_fills_before_step"] == 1, tag       # log-probs reused the replica

@@ -206,11 +206,14 @@ class PPOTrainer:
         deferred = self.cfg.score_in_training_forward
         logprobs = values = None
         if not deferred:
-            keep = seq.shape[1] - P + 1      # the LM head runs on the answer-predicting columns only
-            with record_function("dschat/score/actor"), self.phases.phase("score_actor"):
-                logits = self.e.hybrid.logits(seq, attention_mask, keep_last=keep)
-                logprobs = pm.gather_log_probs(_answer_logits(logits, seq, P), pm.answer_tokens(seq, P))
-                del logits
+            with record_function("dschat/score/actor"), self.phases.phase("score_actor"), \
+                    self.e.hybrid.scoring_model() as model:
+                if model is not None:        # the replica (or live module), output layer fused
+                    logprobs, _ = self._answer_logprobs(model, seq, attention_mask, P, module=model)
+                else:                        # tensor parallel: the group's logits
+                    logits = self.e.hybrid.logits(seq, attention_mask, keep_last=seq.shape[1] - P + 1)
+                    logprobs = pm.gather_log_probs(_answer_logits(logits, seq, P), pm.answer_tokens(seq, P))
+                    del logits
         if self.e.ref is not None:
             with record_function("dschat/score/reference"), torch.no_grad(), self.phases.phase("score_ref"):
                 ref_logprobs, _ = self._answer_logprobs(self.e.ref, seq, attention_mask, P)
@@ -381,12 +384,13 @@ class PPOTrainer:
         return out.select(torch.arange(least * n)), stats
 
     def _answer_logprobs(self, engine, seq: torch.Tensor, attention_mask: torch.Tensor, P: int,
-                         with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         with_entropy: bool = False, module=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(log p of each answer token, entropy of each answer position or None) [B, A] fp32
-        under `engine`'s model; the entropy detached. The LM head runs on the answer-predicting
-        columns only, fused with the log-softmax in token chunks where the model allows
-        (--logprobs fused: no [B, A, V] logits), else as HF logits then log-softmax."""
-        module = engine.module
+        under `engine`'s model (`module`, default engine.module; an HF model scores as its own
+        engine); the entropy detached. The LM head runs on the answer-predicting columns only,
+        fused with the log-softmax in token chunks where the model allows (--logprobs fused:
+        no [B, A, V] logits), else as HF logits then log-softmax."""
+        module = engine.module if module is None else module
         keep = seq.shape[1] - P + 1
         with FusedLogprobs(module, seq, enabled=self.cfg.fused_logprobs) as head:
             out = engine(input_ids=seq, attention_mask=attention_mask, use_cache=False,

@@ -358,24 +358,38 @@ class HybridActor:
         return self._fast
 
     # ---------------------------------------------------------------- scoring
+    @contextlib.contextmanager
+    def scoring_model(self):
+        """The module to score sequences on without grad, in eval mode for the block: the
+        replica when the hybrid engine is on (no new gather unless the weights changed), else
+        the live module; None under tensor parallelism (no runnable model on one rank: use
+        `logits`). The caller runs the forward, so it can swap the output layer
+        (dschat.models.fused_head) and never hold [B, S, V] logits."""
+        if self._tp is not None:
+            yield None
+            return
+        t0 = time.perf_counter()
+        model = self.inference_model
+        try:
+            with torch.no_grad(), self._running(model):
+                yield model
+        finally:
+            self._stats["gen/logits_seconds"] += time.perf_counter() - t0
+
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                position_ids: Optional[torch.Tensor] = None, keep_last: int = 0) -> torch.Tensor:
-        """fp32 logits [B, S, V] of the current weights without grad, on the replica when
-        the hybrid engine is on (no new gather unless the weights changed); only the last
-        `keep_last` columns when it is > 0 ([B, keep_last, V])."""
+        """fp32 logits [B, S, V] of the current weights without grad (see `scoring_model`);
+        only the last `keep_last` columns when it is > 0 ([B, keep_last, V])."""
         if self._tp is not None:
             logits = self._tp.logits(input_ids, attention_mask, position_ids)
             return logits[:, -keep_last:] if keep_last > 0 else logits
-        t0 = time.perf_counter()
-        model = self.inference_model
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        if position_ids is None:
-            position_ids = position_ids_for(model, attention_mask)
-        kwargs = {} if position_ids is None else {"position_ids": position_ids.to(self.device)}
-        kwargs.update(logits_to_keep_kwargs(model, keep_last))
-        with torch.no_grad(), self._running(model):
+        with self.scoring_model() as model:
+            if position_ids is None:
+                position_ids = position_ids_for(model, attention_mask)
+            kwargs = {} if position_ids is None else {"position_ids": position_ids.to(self.device)}
+            kwargs.update(logits_to_keep_kwargs(model, keep_last))
             out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
-        self._stats["gen/logits_seconds"] += time.perf_counter() - t0
         logits = out.logits[:, -keep_last:] if keep_last > 0 else out.logits
         return logits.float()
 

@@ -170,6 +170,16 @@ def run_case(family: str, lora: bool, rank: int) -> dict:
     res["logprob_full_vs_live"] = float((lp_full - lp_live)[valid].abs().max())
     res["logprob_layered_vs_live"] = float((lp_layered - lp_live)[valid].abs().max())
     res["logprob_full_vs_ref"] = float((lp_full - lp_ref)[valid].abs().max())
+    # the trainer's actor scoring: the same forward with the output layer fused (no [B, S, V] logits)
+    from dschat.models.fused_head import FusedLogprobs
+    from dschat.registry import position_ids_for
+    for name in ("full", "layered", "off"):
+        with actors[name].scoring_model() as model, FusedLogprobs(model, seq) as head:
+            positions = position_ids_for(model, seq_mask)
+            out = model(input_ids=seq, attention_mask=seq_mask, use_cache=False,
+                        **({} if positions is None else {"position_ids": positions})).logits
+        res[f"fused_active_{name}"] = head.active
+        res[f"logprob_fused_{name}_vs_ref"] = float((out[:, :-1] - lp_ref)[valid].abs().max())
     res["full_fills_before_step"] = actors["full"].pop_stats()["gen/refills"]
     res["t_scoring"] = timer()
     res["eos_stop"] = eos_stop_check(actors, ref, rank)   # includes the fast path
