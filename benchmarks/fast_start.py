@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.generation import PRESETS, build_model, make_prompts
+from benchmarks.tables import emit_table
 
 
 def child(args) -> dict:
@@ -96,10 +97,7 @@ def main(argv=None):
         lines.append(f"| {name} | {r['build_s']:.2f} | {r['first_call_s']:.2f} | {r['second_call_s']:.3f} | "
                      f"{r['first_call_s'] / r['second_call_s']:.1f} | {r['tokens'] == rows[0][1]['tokens']} |")
     table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit_table(table, args.out)
 
 
 if __name__ == "__main__":

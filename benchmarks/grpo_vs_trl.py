@@ -60,6 +60,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.tables import emit_table
+
 REPO = Path(__file__).resolve().parents[1]
 FRAMEWORKS = ("ours", "trl")
 STEP3 = REPO / "training" / "step3_rlhf_finetuning" / "main.py"
@@ -387,13 +389,9 @@ def main(argv=None):
         results[name] = summarize(raw[name], args.warmup, total)
         print(name, json.dumps(results[name]), flush=True)
     table = format_table(results, args)
-    print(table, flush=True)
+    emit_table(table, args.out)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "a") as f:
-            f.write(table + "\n")
-        js = out.with_suffix(".json")
+        js = Path(args.out).with_suffix(".json")
         runs = json.loads(js.read_text()) if js.exists() else []
         runs.append({"args": vars(args), "device": _device_name(), "summary": results, "steps": raw,
                      "time": time.strftime("%Y-%m-%d %H:%M:%S")})

@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.tables import emit_table
+
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"fp32 state": ([], {}),
             "bf16 state": (["--optimizer_dtype", "bf16"], {}),
@@ -88,10 +90,7 @@ def main(argv=None):
         lines.append(f"| {name} | {r['eval_before']:.4f} | {r['eval_after']:.4f} | {drop:.4f} | {rel} | "
                      f"{r['train_last5']:.4f} | {r['peak_gib']:.2f} | {r['step_s']:.2f} |")
     table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit_table(table, args.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.tables import emit_table
+
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = REPO / "configs" / "presets"
 
@@ -145,10 +147,7 @@ def main(argv=None):
         print(json.dumps(r), flush=True)
         results.append(r)
     text = table(results, args)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit_table(text, args.out)
     return 0 if all(r["rc"] == 0 for r in results) else 1
 
 

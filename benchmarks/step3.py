@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.tables import emit_table
+
 REPO = Path(__file__).resolve().parents[1]
 
 # flags the modes below combine
@@ -309,10 +311,7 @@ def main(argv=None):
                      f"{int(r['left_gathered_max'])} |")
     lines += phase_tables(results)
     table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit_table(table, args.out)
 
 
 if __name__ == "__main__":

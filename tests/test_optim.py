@@ -153,6 +153,15 @@ def test_optimizer_dtype_flag_needs_bf16_zero_and_no_offload():
     problems = " | ".join(_offload_knobs(args, (0,)))
     for needle in ("needs --dtype bf16", "ZeRO stage 1, 2 or 3", "drop --offload"):
         assert needle in problems, problems
+    # a config built directly (no flags) refuses the same combinations with the same words
+    from dschat.engine.config import train_ds_config
+    ok = dict(dtype="bf16", micro_batch_size=1, optimizer_dtype="bf16")
+    assert train_ds_config(zero_stage=3, **ok)["bf16"]["bf16_optimizer_states"]
+    for bad, needle in (({"zero_stage": 0}, "ZeRO stage 1, 2 or 3"),
+                        ({"zero_stage": 2, "offload": True}, "drop --offload"),
+                        ({"zero_stage": 3, "dtype": "fp16"}, "needs --dtype bf16")):
+        with pytest.raises(ValueError, match=needle):
+            train_ds_config(**{**ok, **bad})
 
 
 @pytest.mark.parametrize("stage", [3, 2])

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from dschat.cli.flags import split_fractions
-from dschat.engine.config import frozen_stage
+from dschat.engine.config import frozen_stage, optimizer_dtype_problems
 from dschat.utils.errors import UserInputError
 
 
@@ -106,15 +106,7 @@ def _offload_knobs(args, trained_stages) -> list[str]:
     for flag in ("offload_optimizer_only", "offload_pin_memory"):
         if getattr(args, flag) and not args.offload:
             out.append(f"--{flag} needs --offload")
-    if args.optimizer_dtype == "bf16":
-        if args.dtype != "bf16":
-            out.append(f"--optimizer_dtype bf16 needs --dtype bf16 (got --dtype {args.dtype})")
-        if 0 in trained_stages:
-            out.append("--optimizer_dtype bf16 needs ZeRO stage 1, 2 or 3 for every trained model: DeepSpeed keeps "
-                       "bf16 master weights only in its ZeRO optimizers")
-        if args.offload:
-            out.append("--optimizer_dtype bf16 keeps the optimizer on the GPU: drop --offload (or keep fp32 state "
-                       "and offload it)")
+    out += optimizer_dtype_problems(args.optimizer_dtype, args.dtype, trained_stages, args.offload)
     return out
 
 

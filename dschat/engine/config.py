@@ -60,6 +60,24 @@ def _zero_section(stage: int, offload: bool, *, persistence_threshold: float,
     return zero
 
 
+def optimizer_dtype_problems(optimizer_dtype: str, dtype: str, zero_stages, offload: bool) -> list[str]:
+    """Why --optimizer_dtype cannot run with these settings (empty when it can), in the flags'
+    words; `zero_stages`: every trained model's stage. The one check behind the entry points'
+    validation and train_ds_config."""
+    if optimizer_dtype == "fp32":
+        return []
+    out = []
+    if dtype != optimizer_dtype:
+        out.append(f"--optimizer_dtype {optimizer_dtype} needs --dtype {optimizer_dtype} (got --dtype {dtype})")
+    if 0 in zero_stages:
+        out.append(f"--optimizer_dtype {optimizer_dtype} needs ZeRO stage 1, 2 or 3 for every trained model: "
+                   f"DeepSpeed keeps {optimizer_dtype} master weights only in its ZeRO optimizers")
+    if offload:
+        out.append(f"--optimizer_dtype {optimizer_dtype} keeps the optimizer on the GPU: drop --offload (or keep "
+                   f"fp32 state and offload it)")
+    return out
+
+
 def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
                     gradient_accumulation_steps: int = 1, offload: bool = False,
                     offload_params: bool = True, offload_ratio: float = 1.0, offload_pin_memory: bool = False,
@@ -83,9 +101,9 @@ def train_ds_config(*, zero_stage: int, dtype: str, micro_batch_size: int,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
-    if optimizer_dtype != "fp32" and (dtype != optimizer_dtype or zero_stage == 0 or offload):
-        raise ValueError(f"optimizer_dtype {optimizer_dtype} needs dtype {optimizer_dtype}, ZeRO stage 1-3 and no "
-                         f"offload (got dtype {dtype}, stage {zero_stage}, offload {offload})")
+    problems = optimizer_dtype_problems(optimizer_dtype, dtype, [zero_stage], offload)
+    if problems:
+        raise ValueError("; ".join(problems))
     config.update(_precision_section(dtype, optimizer_dtype))
     if enable_tensorboard:
         config["tensorboard"] = {"enabled": True, "output_path": f"{tensorboard_path}/ds_tensorboard_logs/",
