@@ -7,12 +7,13 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from dschat.models.fused_head import FusedLogprobs, fused_head_unsupported_reason
-from dschat.utils.linear_logprobs import chunk_tokens, linear_logprobs
+from dschat.utils.linear_logprobs import linear_logprobs, rows_per_chunk
 from dschat.utils.tensor_ops import gather_log_probs
 
 
-@pytest.mark.parametrize("chunk, with_bias", [(1, False), (7, True), (64, False), (1000, True)])
-def test_values_and_gradients_equal_the_plain_computation(chunk, with_bias):
+@pytest.mark.parametrize("chunk, vocab_chunk, with_bias", [(1, 1, False), (7, 10, True), (64, 97, False),
+                                                           (1000, None, True), (5, 96, True)])
+def test_values_and_gradients_equal_the_plain_computation(chunk, vocab_chunk, with_bias):
     torch.manual_seed(0)
     hidden = torch.randn(3, 21, 16, dtype=torch.float64).float().requires_grad_()
     weight = (0.3 * torch.randn(97, 16)).requires_grad_()   # logits of a trained model's scale (std ~1)
@@ -26,7 +27,7 @@ def test_values_and_gradients_equal_the_plain_computation(chunk, with_bias):
     inputs = [hidden, weight] + ([bias] if with_bias else [])
     plain_grads = torch.autograd.grad((plain * upstream).sum(), inputs)
 
-    fused, entropy = linear_logprobs(hidden, weight, bias, labels, chunk)
+    fused, entropy = linear_logprobs(hidden, weight, bias, labels, chunk, vocab_chunk)
     fused_grads = torch.autograd.grad((fused * upstream).sum(), inputs)
     assert fused.dtype == torch.float32 and fused.shape == (3, 21) and not entropy.requires_grad
     torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
@@ -36,9 +37,10 @@ def test_values_and_gradients_equal_the_plain_computation(chunk, with_bias):
 
 
 def test_bf16_gradients_match_the_plain_bf16_computation():
-    """In bf16 each chunk's weight gradient is a bf16 product summed in fp32; the plain
-    computation rounds one product over all tokens to bf16. Both stay within bf16 rounding of
-    the fp32 gradient."""
+    """In bf16 each block of the weight's gradient is one product over all tokens rounded to
+    bf16, as the plain computation's; the hidden states' gradient sums the blocks' bf16
+    products in fp32. Both stay within bf16 rounding of the fp32 gradient, and the gradients
+    come back in the inputs' dtype (no fp32 copy of the weight's)."""
     torch.manual_seed(0)
     hidden32 = torch.randn(4, 50, 32)
     weight32 = 0.3 * torch.randn(211, 32)
@@ -48,8 +50,10 @@ def test_bf16_gradients_match_the_plain_bf16_computation():
     def grads(dtype, fused):
         h = hidden32.to(dtype).requires_grad_()
         w = weight32.to(dtype).requires_grad_()
-        lp = linear_logprobs(h, w, None, labels, 16)[0] if fused else gather_log_probs(F.linear(h, w), labels)
-        return [g.float() for g in torch.autograd.grad((lp * upstream).sum(), [h, w])]
+        lp = linear_logprobs(h, w, None, labels, 16, 50)[0] if fused else gather_log_probs(F.linear(h, w), labels)
+        out = torch.autograd.grad((lp * upstream).sum(), [h, w])
+        assert all(g.dtype == dtype for g in out)
+        return [g.float() for g in out]
 
     exact = grads(torch.float32, fused=False)
     for fused in (False, True):
@@ -57,13 +61,12 @@ def test_bf16_gradients_match_the_plain_bf16_computation():
             err = (got - want).norm() / want.norm()
             assert err < 2e-2, (fused, err)
     fused_bf16, plain_bf16 = grads(torch.bfloat16, True), grads(torch.bfloat16, False)
-    assert all(g.dtype == torch.float32 for g in fused_bf16)
     for got, want in zip(fused_bf16, plain_bf16):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
-def test_chunk_size_follows_the_vocabulary():
-    assert chunk_tokens(49152) == 1365 and chunk_tokens(250880) == 267 and chunk_tokens(10 ** 12) == 1
+def test_chunk_rows_follow_the_width():
+    assert rows_per_chunk(49152) == 1365 and rows_per_chunk(250880) == 267 and rows_per_chunk(10 ** 12) == 1
 
 
 def _llama(tied):
