@@ -13,15 +13,27 @@ lower neighbour, so every write is unbiased and the small updates add up in expe
 same way: Adam's second moment moves by (1 - beta2) of itself a step (0.1% at beta2 0.999),
 below bf16's relative spacing (0.4-0.8%), so round-to-nearest stalls it away from its average.
 
-The update runs in fp32 on chunks of each tensor (a bounded temporary) and on any device.
+On CUDA the whole update of a bf16 tensor is one Triton kernel (`fused_sr_adamw_`): each
+element's weight, gradient and moments are read once and written once (14 bytes an element),
+the maths in fp32 registers, the rounding noise from Philox. Elsewhere (the CPU, fp32
+parameters, no Triton) the update runs as torch operations in fp32 on chunks of each tensor
+(a bounded temporary), with the same rounding points.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
+try:                                   # pragma: no cover - exercised on GPU machines and in the interpreter
+    import triton
+    import triton.language as tl
+except Exception:                      # no Triton: the torch update serves
+    triton = None
+
 CHUNK = 1 << 24   # elements per fp32 temporary: 64 MiB a buffer
+FUSED_BLOCK = 1024
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> None:
@@ -39,13 +51,69 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Gen
     dst.copy_(src)                          # exact: the lower 16 bits are zero
 
 
+if triton is not None:
+    @triton.jit
+    def _round_bits(x, noise, STOCHASTIC: tl.constexpr):
+        """fp32 `x` on bf16's grid (lower 16 bits cleared, so the cast to bf16 is exact): after
+        adding `noise` (uniform in [0, 2^16): stochastic rounding), or to nearest, ties to even
+        (in bits: Triton's CPU interpreter truncates in its fp32 -> bf16 cast)."""
+        bits = x.to(tl.int32, bitcast=True)
+        if STOCHASTIC:
+            bits = bits + noise
+        else:
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _sr_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, seed, beta1, beta2, eps, decay, step_size,
+                         bias2_sqrt, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        g = tl.load(g_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(p_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        m = m * beta1 + g * (1.0 - beta1)
+        v = v * beta2 + g * g * (1.0 - beta2)
+        w = w * decay - step_size * (m / (tl.sqrt(v) / bias2_sqrt + eps))
+        # three 16-bit draws per element from one Philox call (offsets are unique per element)
+        r0, r1, r2, _ = tl.randint4x(seed, offs.to(tl.int32))
+        w = _round_bits(w, (r0 & 0xFFFF).to(tl.int32), STOCHASTIC)
+        m = _round_bits(m, (r1 & 0xFFFF).to(tl.int32), STOCHASTIC)
+        v = _round_bits(v, (r2 & 0xFFFF).to(tl.int32), STOCHASTIC)
+        tl.store(p_ptr + offs, w.to(p_ptr.dtype.element_ty), mask=inside)
+        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=inside)
+        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=inside)
+
+
+def fused_available(p: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether `fused_sr_adamw_` takes this parameter: Triton present, a bf16 parameter and
+    moments, every tensor contiguous, on CUDA (or Triton's interpreter: CPU tensors), and
+    fewer than 2^31 elements (Philox's per-element counter)."""
+    on_device = p.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return (triton is not None and on_device and p.dtype == torch.bfloat16 and p.numel() < 2 ** 31
+            and all(t.dtype == torch.bfloat16 for t in tensors[1:]) and p.is_contiguous()
+            and all(t.is_contiguous() and t.device == p.device for t in tensors))
+
+
+def fused_sr_adamw_(p, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, seed,
+                    stochastic: bool = True) -> None:
+    """One AdamW step of bf16 `p` and its bf16 moments in place, one Triton kernel (see
+    `fused_available`); `seed` picks this call's rounding noise."""
+    n = p.numel()
+    _sr_adamw_kernel[(triton.cdiv(n, FUSED_BLOCK),)](
+        p, grad, exp_avg, exp_avg_sq, n, seed, beta1, beta2, eps, 1.0 - lr * weight_decay,
+        lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), STOCHASTIC=stochastic, BLOCK=FUSED_BLOCK)
+
+
 class StochasticRoundingAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction, as torch.optim.AdamW) whose moments
     live in the parameter's dtype; bf16 weights and moments are written with stochastic
     rounding. fp32 parameters are updated exactly as torch's AdamW would."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, generator: torch.Generator | None = None, stochastic: bool = True):
+                 weight_decay: float = 1e-2, generator: torch.Generator | None = None, stochastic: bool = True,
+                 fused: bool | None = None):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW hyper-parameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
@@ -54,6 +122,8 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                                       amsgrad=False, maximize=False))
         self.generator = generator
         self.stochastic = stochastic    # False: round to nearest (benchmarks/optimizer_dtype.py's contrast)
+        # None: the Triton kernel wherever `fused_available`; False: always the torch update
+        self.fused = fused
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -80,6 +150,12 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         return loss
 
     def _update(self, p, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step):
+        if self.fused is not False and fused_available(p, grad, exp_avg, exp_avg_sq):
+            # the seed from the (CPU) generator: reproducible under torch.manual_seed, no device sync
+            seed = int(torch.randint(0, 2 ** 31 - 1, (), generator=self.generator))
+            fused_sr_adamw_(p, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                            weight_decay=weight_decay, step=step, seed=seed, stochastic=self.stochastic)
+            return
         bias1 = 1.0 - beta1 ** step
         bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
         step_size = lr / bias1
