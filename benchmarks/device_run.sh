@@ -29,6 +29,7 @@
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
 #   bf16 optimizer state on the GPU (no host offload), checkpointed, beside hybrid off (3 steps);
 #   on a GPU under 100 GB with the reference's weights on the host
+# optim: the fused bf16 AdamW kernel's CUDA test
 # logprobs: the fused log-probs' peak memory and time against plain logits at bloom-560m's and
 #   bloom-7b1's output layers (logprob_memory.py)
 # small16: bloom-560m step 3 within 16 GiB (optimizer states on the host, or a LoRA actor) beside ours fast
@@ -122,6 +123,8 @@ elif [ "$what" = bf16opt ]; then
     --modes "ours fast" "ours fast, bf16 optimizer" "ours fast, bf16 optimizer, checkpointed" \
     "ours fast, bf16 optimizer, checkpointed, 2 micro-batches" \
     "hybrid off, bf16 optimizer, checkpointed" --out "$out/step3_bf16opt.md" 2>&1 | grep --line-buffered -v -i warn
+elif [ "$what" = optim ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_optim.py -k cuda 2>&1 | tail -3
 elif [ "$what" = logprobs ]; then
   # the fused log-probs against plain logits at step 3's micro-batch, bloom-560m's and bloom-7b1's heads
   python3 benchmarks/logprob_memory.py --batch 16 --tokens 257 --vocab 250880 --hidden 1024 --device cuda --dtype bf16
