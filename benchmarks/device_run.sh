@@ -5,6 +5,8 @@
 # largest: the largest actors step 3 trains on one GPU, LoRA and (left out with LARGEST_FULL=0 on
 #   80 GB cards) full fine-tuning: LLaMA-7B with a TinyLlama critic (30% of the optimizer on the
 #   host), then OPT-13B with an OPT-350m critic (55% of it and the reference's weights there)
+# largestbf16: full fine-tuning of LLaMA-7B (TinyLlama critic) and OPT-13B (OPT-350m critic, the
+#   reference's weights on the host) with bf16 optimizer state on the GPU, no optimizer offload
 # presets: every one-GPU preset through steps 1-3, 5 steps each, smallest first (presets_run.py);
 #   PRESETS="a b" runs those, in that order
 # check: the CUDA tests (kernels against their references, graph replay against HF, refill,
@@ -172,6 +174,20 @@ elif [ "$what" = largest ]; then
       --offload_ratio 0.55 --modes "ours fast, optimizer offloaded, checkpointed, reference offloaded" \
       --out "$out/step3_largest.md" 2>&1 | grep --line-buffered -v -i warn
   fi
+elif [ "$what" = largestbf16 ]; then
+  # full fine-tuning with bf16 optimizer state on the GPU (8 bytes/param; the one-rank replica is
+  # views of the shards): LLaMA-7B + TinyLlama (54 GB of actor state), OPT-13B + OPT-350m with the
+  # reference's weights on the host (104 GB of actor state); LARGEST_BF16="opt-13b" runs one
+  for actor in ${LARGEST_BF16:-llama-7b opt-13b}; do
+    if [ "$actor" = llama-7b ]; then
+      python3 benchmarks/step3.py --preset llama-7b --critic_preset tinyllama-1.1b --batch 8 --steps 10 --warmup 3 \
+        --modes "ours fast, bf16 optimizer, checkpointed" --out "$out/step3_largest_bf16.md" 2>&1 | grep --line-buffered -v -i warn
+    else
+      python3 benchmarks/step3.py --preset opt-13b --critic_preset opt-350m --batch 8 --steps 6 --warmup 2 \
+        --modes "ours fast, bf16 optimizer, checkpointed, reference offloaded" \
+        --out "$out/step3_largest_bf16.md" 2>&1 | grep --line-buffered -v -i warn
+    fi
+  done
 elif [ "$what" = presets ]; then
   python3 benchmarks/presets_run.py --deployment-type single_gpu --steps 5 --timeout 900 ${PRESETS:+--presets $PRESETS} \
     --workdir "${PRESETS_WORKDIR:-/tmp/dschat_presets}" --out "$out/presets.md" 2>&1 | grep --line-buffered -v -i warn
