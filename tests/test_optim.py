@@ -163,6 +163,9 @@ def _check_fused_adam(r: dict) -> None:
     assert abs(r["small_update_mean"]["stochastic"] - (1 - lr * steps)) < 0.02 * lr * steps, r
     assert r["small_update_mean"]["nearest"] == 1.0, r
     assert r["fresh_noise_differ_share"] > 0.1, r
+    # a tensor over FUSED_LAUNCH elements runs in several launches, each with its own noise
+    assert r["split_launch_nearest_equal"] and r["split_launch_rounded_both_ways"], r
+    assert not r["split_launch_noise_repeats"], r
 
 
 @pytest.mark.skipif(not __import__("dschat.engine.low_precision_adam", fromlist=["triton"]).triton,

@@ -34,6 +34,7 @@ except Exception:                      # no Triton: the torch update serves
 
 CHUNK = 1 << 24   # elements per fp32 temporary: 64 MiB a buffer
 FUSED_BLOCK = 1024
+FUSED_LAUNCH = 1 << 30   # elements per kernel launch: Philox's per-element counter is 32-bit
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> None:
@@ -88,22 +89,26 @@ if triton is not None:
 
 def fused_available(p: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether `fused_sr_adamw_` takes this parameter: Triton present, a bf16 parameter and
-    moments, every tensor contiguous, on CUDA (or Triton's interpreter: CPU tensors), and
-    fewer than 2^31 elements (Philox's per-element counter)."""
+    moments, every tensor contiguous, on CUDA (or Triton's interpreter: CPU tensors)."""
     on_device = p.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return (triton is not None and on_device and p.dtype == torch.bfloat16 and p.numel() < 2 ** 31
+    return (triton is not None and on_device and p.dtype == torch.bfloat16
             and all(t.dtype == torch.bfloat16 for t in tensors[1:]) and p.is_contiguous()
             and all(t.is_contiguous() and t.device == p.device for t in tensors))
 
 
 def fused_sr_adamw_(p, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, seed,
                     stochastic: bool = True) -> None:
-    """One AdamW step of bf16 `p` and its bf16 moments in place, one Triton kernel (see
-    `fused_available`); `seed` picks this call's rounding noise."""
-    n = p.numel()
-    _sr_adamw_kernel[(triton.cdiv(n, FUSED_BLOCK),)](
-        p, grad, exp_avg, exp_avg_sq, n, seed, beta1, beta2, eps, 1.0 - lr * weight_decay,
-        lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), STOCHASTIC=stochastic, BLOCK=FUSED_BLOCK)
+    """One AdamW step of bf16 `p` and its bf16 moments in place, one Triton kernel per
+    FUSED_LAUNCH elements (see `fused_available`); `seed` picks this call's rounding noise,
+    each launch drawing from its own Philox stream (a ZeRO-1/2 partition at 7B is one flat
+    tensor of more than 2^31 elements)."""
+    flat = [t.view(-1) for t in (p, grad, exp_avg, exp_avg_sq)]
+    for i, start in enumerate(range(0, p.numel(), FUSED_LAUNCH)):
+        part = [t[start:start + FUSED_LAUNCH] for t in flat]
+        n = part[0].numel()
+        _sr_adamw_kernel[(triton.cdiv(n, FUSED_BLOCK),)](
+            *part, n, (seed + 1_000_003 * i) % (2 ** 31 - 1), beta1, beta2, eps, 1.0 - lr * weight_decay,
+            lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), STOCHASTIC=stochastic, BLOCK=FUSED_BLOCK)
 
 
 class StochasticRoundingAdamW(torch.optim.Optimizer):

@@ -52,6 +52,20 @@ for name, a, b in zip(names, sr, nearest):
 other_seed, _ = run(True, True, 1, seed=2)
 out["fresh_noise_differ_share"] = float((other_seed[0] != sr[0]).float().mean())
 
+# launches of FUSED_LAUNCH elements: the same numbers rounded to nearest, fresh noise per launch
+launch = lpa.FUSED_LAUNCH
+lpa.FUSED_LAUNCH = 1024
+split_nearest, _ = run(True, False, 1)
+out["split_launch_nearest_equal"] = all(bool(torch.equal(a, b)) for a, b in zip(split_nearest, fused))
+w = torch.zeros(4096, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)   # every element alike
+opt = lpa.StochasticRoundingAdamW([w], lr=1e-3, weight_decay=0.0, generator=torch.Generator().manual_seed(0))
+w.grad = torch.full_like(w, 0.37)
+opt.step()
+m = opt.state[w]["exp_avg"].float().cpu().view(4, 1024)      # 0.037 rounded up or down per element
+out["split_launch_noise_repeats"] = any(bool(torch.equal(m[0], m[k])) for k in (1, 2, 3))
+out["split_launch_rounded_both_ways"] = len(m.unique()) == 2
+lpa.FUSED_LAUNCH = launch
+
 # small updates: a constant gradient at lr 1e-4 moves a weight of 1.0 by lr a step in the mean
 lr, steps, n = 1e-4, 100, 8192
 out["lr"], out["steps"], out["small_update_mean"] = lr, steps, {}
