@@ -28,6 +28,8 @@
 # adam: bloom-560m step 3 with torch's fused AdamW (the default) against its multi-tensor one, in both orders
 # bf16opt: bloom-560m step 3 with bf16 optimizer state (--optimizer_dtype bf16), plain,
 #   checkpointed and checkpointed in 2 training micro-batches, beside ours fast and hybrid off
+# limit: bloom-560m step 3 with bf16 optimizer state, scored in the training forwards or not,
+#   checkpointed or not, beside hybrid off
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
 #   bf16 optimizer state on the GPU (no host offload), checkpointed, beside hybrid off (3 steps);
 #   on a GPU under 100 GB with the reference's weights on the host
@@ -131,6 +133,13 @@ elif [ "$what" = logprobs ]; then
   # the fused log-probs against plain logits at step 3's micro-batch, bloom-560m's and bloom-7b1's heads
   python3 benchmarks/logprob_memory.py --batch 16 --tokens 257 --vocab 250880 --hidden 1024 --device cuda --dtype bf16
   python3 benchmarks/logprob_memory.py --batch 8 --tokens 257 --vocab 250880 --hidden 4096 --device cuda --dtype bf16
+elif [ "$what" = limit ]; then
+  # bloom-560m step 3's fastest modes within and beside 16 GiB: bf16 optimizer state, with and
+  # without the actor's and critic's scoring passes, beside hybrid off
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --hybrid_off_steps 3 \
+    --modes "ours fast, bf16 optimizer" "ours fast, bf16 optimizer, scored in training" \
+    "ours fast, bf16 optimizer, checkpointed, scored in training" "ours fast, bf16 optimizer, checkpointed" \
+    "hybrid off, bf16 optimizer, checkpointed" --out "$out/step3_limit.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = big7bbf16 ]; then
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   modes=("ours fast, bf16 optimizer, checkpointed, reference offloaded"

@@ -89,6 +89,10 @@ MODES = {
     "ours fast, bf16 optimizer, checkpointed, 2 micro-batches": HYBRID + BF16_OPTIMIZER + CHECKPOINTED + TWO_MICRO,
     "ours fast, bf16 optimizer, checkpointed, reference offloaded":
         HYBRID + BF16_OPTIMIZER + CHECKPOINTED + REFERENCE_OFFLOADED,
+    # with the old log-probs and values taken from the training forwards (no actor or critic scoring pass)
+    "ours fast, bf16 optimizer, scored in training": HYBRID + BF16_OPTIMIZER + ["--score_in_training_forward"],
+    "ours fast, bf16 optimizer, checkpointed, scored in training":
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + ["--score_in_training_forward"],
     "hybrid off, bf16 optimizer, checkpointed": BF16_OPTIMIZER + CHECKPOINTED,
     "hybrid off, bf16 optimizer, checkpointed, reference offloaded":
         BF16_OPTIMIZER + CHECKPOINTED + REFERENCE_OFFLOADED,
