@@ -133,6 +133,7 @@ elif [ "$what" = logprobs ]; then
   # the fused log-probs against plain logits at step 3's micro-batch, bloom-560m's and bloom-7b1's heads
   python3 benchmarks/logprob_memory.py --batch 16 --tokens 257 --vocab 250880 --hidden 1024 --device cuda --dtype bf16
   python3 benchmarks/logprob_memory.py --batch 8 --tokens 257 --vocab 250880 --hidden 4096 --device cuda --dtype bf16
+  python3 benchmarks/logprob_memory.py --batch 16 --tokens 257 --vocab 250880 --hidden 1024 --device cuda --dtype bf16 --scoring
 elif [ "$what" = limit ]; then
   # bloom-560m step 3's fastest modes within and beside 16 GiB: bf16 optimizer state, with and
   # without the actor's and critic's scoring passes, beside hybrid off

@@ -5,6 +5,7 @@ token chunks), forward and backward, side by side in one run.
 
     python benchmarks/logprob_memory.py                       # SmolLM2-135M's head, CPU
     python benchmarks/logprob_memory.py --vocab 250880 --hidden 1024 --device cuda   # bloom-560m's
+    python benchmarks/logprob_memory.py --scoring             # a scoring pass: forward only, no entropy
 
 Each mode runs in its own process (CPU: the peak resident set minus the resident set before
 the measured call, which is the first; CUDA: torch.cuda.max_memory_allocated minus the
@@ -35,6 +36,13 @@ def measure(mode: str, a) -> dict:
     labels = torch.randint(0, a.vocab, (a.batch, a.tokens), device=a.device)
 
     def step():
+        if a.scoring:          # a scoring pass: forward only, no entropy
+            with torch.no_grad():
+                if mode == "plain":
+                    gather_log_probs(F.linear(hidden, weight), labels)
+                else:
+                    linear_logprobs(hidden, weight, None, labels, with_entropy=False)
+            return
         if mode == "plain":
             logprobs = gather_log_probs(F.linear(hidden, weight), labels)
         else:
@@ -73,6 +81,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=10, help="timed calls on CUDA (the mean; the CPU times one)")
+    p.add_argument("--scoring", action="store_true",
+                   help="a scoring pass: the forward only, without grad, the fused form without the entropy")
     p.add_argument("--mode", choices=("plain", "fused"), default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.mode:                                  # one measurement, in a child process
@@ -86,7 +96,8 @@ def main(argv=None) -> int:
     logits_gib = a.batch * a.tokens * a.vocab * 4 / 2 ** 30
     print(f"{a.batch} x {a.tokens} tokens, vocabulary {a.vocab}, hidden {a.hidden}, {a.dtype}, {a.device} "
           f"(one fp32 copy of the logits: {logits_gib:.2f} GiB)")
-    print("| log-probs, forward + backward | peak memory above the inputs (GiB) | seconds |")
+    print(f"| log-probs, {'forward (scoring)' if a.scoring else 'forward + backward'} "
+          "| peak memory above the inputs (GiB) | seconds |")
     print("|---|---|---|")
     for mode, r in rows.items():
         print(f"| {mode} | {r['peak_gib']:.2f} | {r['seconds']:.2f} |")

@@ -34,6 +34,11 @@ def test_values_and_gradients_equal_the_plain_computation(chunk, vocab_chunk, wi
     torch.testing.assert_close(entropy, plain_entropy.detach(), atol=1e-5, rtol=0)
     for got, want in zip(fused_grads, plain_grads):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    # without the entropy (scoring passes): the same log-probs and gradients, no entropy
+    bare, none = linear_logprobs(hidden, weight, bias, labels, chunk, vocab_chunk, with_entropy=False)
+    assert none is None and torch.equal(bare, fused)
+    for got, want in zip(torch.autograd.grad((bare * upstream).sum(), inputs), fused_grads):
+        assert torch.equal(got, want)
 
 
 def test_bf16_gradients_match_the_plain_bf16_computation():

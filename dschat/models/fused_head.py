@@ -42,11 +42,12 @@ def fused_head_unsupported_reason(model: nn.Module) -> Optional[str]:
 
 
 class FusedLogprobs:
-    """Context manager; see the module docstring. `enabled=False` keeps the plain forward."""
+    """Context manager; see the module docstring. `enabled=False` keeps the plain forward;
+    `with_entropy=False` leaves `entropy` None (scoring passes do not log it)."""
 
     def __init__(self, model: nn.Module, seq: torch.Tensor, *, enabled: bool = True,
-                 chunk: Optional[int] = None):
-        self.seq, self.chunk = seq, chunk
+                 chunk: Optional[int] = None, with_entropy: bool = True):
+        self.seq, self.chunk, self.with_entropy = seq, chunk, with_entropy
         self.reason = None if enabled else "--logprobs plain"
         if self.reason is None:
             self.reason = fused_head_unsupported_reason(model)
@@ -73,5 +74,6 @@ class FusedLogprobs:
         width = hidden.shape[1]
         labels = torch.zeros(seq.shape[0], width, dtype=torch.long, device=hidden.device)
         labels[:, :width - 1] = seq[:, seq.shape[1] - width + 1:]
-        logprobs, self.entropy = linear_logprobs(hidden, self.head.weight, self.head.bias, labels, self.chunk)
+        logprobs, self.entropy = linear_logprobs(hidden, self.head.weight, self.head.bias, labels, self.chunk,
+                                                 with_entropy=self.with_entropy)
         return logprobs

@@ -392,7 +392,7 @@ class PPOTrainer:
         no [B, A, V] logits), else as HF logits then log-softmax."""
         module = engine.module if module is None else module
         keep = seq.shape[1] - P + 1
-        with FusedLogprobs(module, seq, enabled=self.cfg.fused_logprobs) as head:
+        with FusedLogprobs(module, seq, enabled=self.cfg.fused_logprobs, with_entropy=with_entropy) as head:
             out = engine(input_ids=seq, attention_mask=attention_mask, use_cache=False,
                          **_positions(module, attention_mask), **logits_to_keep_kwargs(module, keep)).logits
         if not getattr(self, "_logprobs_logged", False):
@@ -400,7 +400,7 @@ class PPOTrainer:
             print_rank_0("log-probs: output layer fused with the log-softmax (no [B, A, V] logits)" if head.active
                          else f"log-probs from full logits (fused output layer off: {head.reason})")
         if head.active:
-            return _answer_logits(out, seq, P), _answer_logits(head.entropy, seq, P)
+            return _answer_logits(out, seq, P), _answer_logits(head.entropy, seq, P) if with_entropy else None
         answer_logits = _answer_logits(out, seq, P)
         return (pm.gather_log_probs(answer_logits, pm.answer_tokens(seq, P)),
                 _row_entropy(answer_logits) if with_entropy else None)

@@ -29,17 +29,18 @@ def rows_per_chunk(width: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, chunk: int,
-                vocab_chunk: int):
+                vocab_chunk: int, with_entropy: bool):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty_like(logprobs)
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logprobs)
         for s in range(0, n, chunk):
             logits = F.linear(hidden[s:s + chunk], weight, bias).float()
             lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
             logprobs[s:s + chunk] = logits.gather(-1, labels[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
-            probs = torch.exp(logits - lse[s:s + chunk, None])
-            entropy[s:s + chunk] = lse[s:s + chunk] - (probs * logits).sum(-1)
+            if with_entropy:     # another pass over the chunk's logits: only where it is logged
+                probs = torch.exp(logits - lse[s:s + chunk, None])
+                entropy[s:s + chunk] = lse[s:s + chunk] - (probs * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.vocab_chunk = vocab_chunk
         ctx.mark_non_differentiable(entropy)
@@ -71,13 +72,15 @@ class _LinearLogprobs(torch.autograd.Function):
                 grad_h += (grad_logits @ w).float()
             if need_w:
                 grad_w[v:v + w.shape[0]] = grad_logits.t() @ hidden
-        return (None if grad_h is None else grad_h.to(hidden.dtype), grad_w, grad_b, None, None, None)
+        return (None if grad_h is None else grad_h.to(hidden.dtype), grad_w, grad_b, None, None, None, None)
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                    chunk: Optional[int] = None, vocab_chunk: Optional[int] = None) -> tuple[Tensor, Tensor]:
+                    chunk: Optional[int] = None, vocab_chunk: Optional[int] = None,
+                    with_entropy: bool = True) -> tuple[Tensor, Optional[Tensor]]:
     """(log p(label), entropy) per token, both fp32 of shape ``hidden.shape[:-1]``, of the
-    distribution ``softmax(hidden @ weight.T + bias)``; the entropy carries no gradient.
+    distribution ``softmax(hidden @ weight.T + bias)``; the entropy carries no gradient and is
+    None with `with_entropy` False (one pass over each chunk's logits fewer).
 
     hidden ``[..., H]``, weight ``[V, H]``, labels ``[...]`` valid ids. The forward takes
     `chunk` tokens of logits at a time, the backward `vocab_chunk` vocabulary columns for
@@ -87,5 +90,6 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
     hidden = hidden.reshape(-1, hidden.shape[-1])
     chunk = chunk or rows_per_chunk(weight.shape[0])
     vocab_chunk = vocab_chunk or rows_per_chunk(hidden.shape[0])
-    logprobs, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels.reshape(-1).long(), chunk, vocab_chunk)
-    return logprobs.view(shape), entropy.view(shape)
+    logprobs, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels.reshape(-1).long(), chunk, vocab_chunk,
+                                              with_entropy)
+    return logprobs.view(shape), entropy.view(shape) if with_entropy else None
