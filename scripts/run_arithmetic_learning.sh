@@ -16,6 +16,7 @@
 # 4. OUT/table.md and OUT/curves.png (applications/compare_arithmetic.py).
 # A run whose arithmetic_eval.json exists is skipped: running again continues where it stopped.
 #   ALGOS="grpo drgrpo rloo reinforce_pp ppo"  SEEDS="1 2 3"  PARALLEL=5 (about 16-19 GiB of GPU each)  STEPS=80
+#   (drgrpo_bf16state: Dr.GRPO with --optimizer_dtype bf16, for DTYPE=bf16)
 #   GROUP=8 (answers per prompt)  ANSWERS=64 (sampled answers per step, every algorithm)  LR=2e-5
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -64,11 +65,13 @@ algo_flags() {
   case $1 in
     grpo)         echo "--algorithm grpo --n_samples_per_prompt $GROUP" ;;
     drgrpo)       echo "--algorithm grpo --n_samples_per_prompt $GROUP --no_std_norm --loss_agg seq_mean_token_sum_norm" ;;
+    # the same with bf16 optimizer state (DTYPE=bf16): does it learn as fp32 state does
+    drgrpo_bf16state) echo "$(algo_flags drgrpo) --optimizer_dtype bf16" ;;
     rloo)         echo "--algorithm rloo --n_samples_per_prompt $GROUP" ;;
     reinforce_pp) echo "--algorithm reinforce_pp --n_samples_per_prompt $GROUP" ;;
     ppo)          echo "--algorithm ppo --n_samples_per_prompt 1 --critic_model_name_or_path $OUT/sft --reward_weights 0,1 \
                         --critic_zero_stage 3 --critic_learning_rate ${CRITIC_LR:-2e-5}" ;;
-    *) echo "unknown algorithm $1 (grpo drgrpo rloo reinforce_pp ppo)" >&2; return 2 ;;
+    *) echo "unknown algorithm $1 (grpo drgrpo drgrpo_bf16state rloo reinforce_pp ppo)" >&2; return 2 ;;
   esac
 }
 # --num_train_epochs 100: passes enough over the prompts that --max_steps ends every run (ppo takes
