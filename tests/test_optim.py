@@ -146,7 +146,7 @@ def _fused_adam_report(interpret: bool) -> dict:
     from tests.dist_utils import REPO
     from tests.dist_utils import test_env as subprocess_env
     env = dict(subprocess_env(), **({"TRITON_INTERPRET": "1"} if interpret else {}))
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "triton_interpret_adam.py")], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "dist" / "fused_adam_check.py")], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

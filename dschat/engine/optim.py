@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from transformers import get_scheduler
 
-from dschat.utils.errors import UserInputError
+from dschat.utils.errors import UserInputError, brief
 
 NO_DECAY_KEYS = ("bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight",
                  "ln_1.weight", "ln_2.weight", "word_embeddings_layernorm.weight")
@@ -55,7 +55,7 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, lora_lr
             cause = e.__cause__ or e
             raise UserInputError(
                 f"--offload needs DeepSpeed's CPU Adam op, which failed to build or load here "
-                f"({type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''}). It is "
+                f"({brief(cause, 200)}). It is "
                 "compiled at first use into $TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions), which needs a C++ "
                 "compiler, ninja and free disk there; `DS_BUILD_CPU_ADAM=1 pip install deepspeed` builds it "
                 "ahead. Or train without --offload.") from None

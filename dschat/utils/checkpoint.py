@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from dschat.utils import dist
-from dschat.utils.errors import FinalSaveFailed, TrainingHalted, UserInputError
+from dschat.utils.errors import FinalSaveFailed, TrainingHalted, UserInputError, brief
 from dschat.utils.logging import get_logger, print_rank_0
 from dschat.utils.run import save_json
 
@@ -330,14 +330,14 @@ class Checkpointer:
                              "the same command with --resume to write the model from it)")
             except Exception as e:  # e.g. a full disk: the models may still fit; try them rather than stop here
                 logger.exception(f"rank {dist.get_rank()}: the checkpoint before the final save failed")
-                print_rank_0(f"{need}, and the checkpoint meant to come first failed ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:300] if str(e) else ''}): writing the models anyway")
+                print_rank_0(f"{need}, and the checkpoint meant to come first failed ({brief(e)}): "
+                             "writing the models anyway")
         error = None
         try:
             write_models()
         except Exception as e:  # whatever failed, the trained state must not be lost
             logger.exception(f"rank {dist.get_rank()}: writing the final models to {where} failed")
-            error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            error = brief(e)
         failed = [(r, e) for r, e in enumerate(dist.all_gather_object(error)) if e is not None]
         if not failed:
             return
