@@ -30,6 +30,8 @@
 #   checkpointed and checkpointed in 2 training micro-batches, beside ours fast and hybrid off
 # limit: bloom-560m step 3 with bf16 optimizer state, scored in the training forwards or not,
 #   checkpointed or not, beside hybrid off
+# profile: bloom-560m step 3 with bf16 optimizer state (checkpointed and scored in training, and
+#   plain), step 4 profiled: per phase, wall time against the time of the kernels it launched
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
 #   bf16 optimizer state on the GPU (no host offload), checkpointed, beside hybrid off (3 steps);
 #   on a GPU under 100 GB with the reference's weights on the host
@@ -141,6 +143,12 @@ elif [ "$what" = limit ]; then
     --modes "ours fast, bf16 optimizer" "ours fast, bf16 optimizer, scored in training" \
     "ours fast, bf16 optimizer, checkpointed, scored in training" "ours fast, bf16 optimizer, checkpointed" \
     "hybrid off, bf16 optimizer, checkpointed" --out "$out/step3_limit.md" 2>&1 | grep --line-buffered -v -i warn
+elif [ "$what" = profile ]; then
+  # where bloom-560m's bf16 step goes: step 4 profiled, wall against kernel time per phase
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --profile_step 4 \
+    --modes "ours fast, bf16 optimizer, checkpointed, scored in training" "ours fast, bf16 optimizer" \
+    --out "$out/step3_profile.md" 2>&1 | grep --line-buffered -v -i warn
+  cat "$out"/step3_phases_*.md
 elif [ "$what" = big7bbf16 ]; then
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   modes=("ours fast, bf16 optimizer, checkpointed, reference offloaded"

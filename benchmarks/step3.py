@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.tables import emit_table
+from benchmarks.trace_phases import report as phase_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,8 +133,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="Append the table (markdown) to this file.")
     p.add_argument("--profile_step", type=int, default=0,
                    help="Pass --profile_step to every mode; its table is copied beside --out "
-                        "(or into <workdir>/<preset>) as step3_profile_<mode>.txt, and on CUDA its memory "
-                        "snapshot as step3_memory_snapshot_<mode>.pickle (https://pytorch.org/memory_viz).")
+                        "(or into <workdir>/<preset>) as step3_profile_<mode>.txt, its per-phase wall against kernel "
+                        "time as step3_phases_<mode>.md (trace_phases.py), and on CUDA its memory snapshot "
+                        "as step3_memory_snapshot_<mode>.pickle (https://pytorch.org/memory_viz).")
     return p.parse_args(argv)
 
 
@@ -227,6 +229,10 @@ def run_mode(mode, args, actor, critic, prompts, workdir) -> list[dict]:
     if args.profile_step and table.exists():
         dest.mkdir(parents=True, exist_ok=True)
         (dest / f"step3_profile_{name}.txt").write_text(table.read_text())
+    trace = out / "profile" / f"step_{args.profile_step}.trace.json"
+    if args.profile_step and trace.exists():         # host-bound or GPU-bound, per phase
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / f"step3_phases_{name}.md").write_text(phase_report(str(trace)))
     if args.profile_step and snapshot.exists():
         dest.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(snapshot, dest / f"step3_memory_snapshot_{name}.pickle")

@@ -63,7 +63,8 @@ def test_step3_benchmark_runs_and_a_rerun_counts_only_its_own_steps(tmp_path):
             "--workdir", tmp_path / "work"]
     for steps in (2, 1):
         out = tmp_path / f"step3_{steps}.md"
-        run_python(REPO / "benchmarks" / "step3.py", args + ["--steps", steps, "--out", out], timeout=600)
+        profile = ["--profile_step", 1] if steps == 1 else []    # the second run profiles its step
+        run_python(REPO / "benchmarks" / "step3.py", args + ["--steps", steps, "--out", out] + profile, timeout=600)
         lines = out.read_text().splitlines()
         row = next(line for line in lines if line.startswith("| ours fast |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -77,6 +78,34 @@ def test_step3_benchmark_runs_and_a_rerun_counts_only_its_own_steps(tmp_path):
         assert all(float(c) >= 0 for c in seconds.strip("|").split("|")[1:]), seconds
         assert not any("peak GiB allocated per phase" in line for line in lines)
     assert (tmp_path / "work" / "tiny-bloom" / "actor" / "config.json").exists()
+    phases = (tmp_path / "step3_phases_ours_fast.md").read_text()     # trace_phases.py on the trace
+    for phase in ("dschat/generate", "dschat/score/reference", "dschat/train/actor_forward"):
+        assert f"| {phase} |" in phases, phases
+
+
+def test_trace_phases_splits_wall_from_kernel_time():
+    """A phase's kernels are those launched inside it (by correlation id), wherever they run;
+    overlapping kernels count once."""
+    from benchmarks.trace_phases import analyse
+    ev = [{"ph": "X", "name": "dschat/score/actor", "cat": "user_annotation", "ts": 0, "dur": 100},
+          {"ph": "X", "name": "dschat/train/actor_forward", "cat": "user_annotation", "ts": 200, "dur": 50},
+          {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 5, "dur": 20},
+          {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 10, "dur": 5},         # nested: not counted
+          {"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": 10, "dur": 2,
+           "args": {"correlation": 1}},
+          {"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": 90, "dur": 2,
+           "args": {"correlation": 2}},
+          {"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": 210, "dur": 2,
+           "args": {"correlation": 3}},
+          {"ph": "X", "name": "gemm", "cat": "kernel", "ts": 20, "dur": 30, "args": {"correlation": 1}},
+          {"ph": "X", "name": "gemm", "cat": "kernel", "ts": 40, "dur": 80, "args": {"correlation": 2}},  # runs past
+          {"ph": "X", "name": "copy", "cat": "kernel", "ts": 260, "dur": 10, "args": {"correlation": 3}}]
+    score, train = analyse(ev)
+    assert score["phase"] == "dschat/score/actor" and score["launches"] == 2
+    assert score["kernel_ms"] == pytest.approx(0.100)          # [20, 120): the union
+    assert score["until_last_kernel_ms"] == pytest.approx(0.120)
+    assert score["top_host_ops"] == [("aten::mm", pytest.approx(0.020))]
+    assert train["kernel_ms"] == pytest.approx(0.010) and train["top_kernels"] == [("copy", pytest.approx(0.010))]
 
 
 def test_step3_benchmark_offloaded_and_lora_modes(tmp_path):
