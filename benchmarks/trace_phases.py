@@ -48,7 +48,7 @@ def analyse(events: list[dict], top: int = 6) -> list[dict]:
     for ph in sorted(phases, key=lambda e: e["ts"]):
         t0, t1 = ph["ts"], ph["ts"] + ph["dur"]
         inside = launches[bisect.bisect_left(starts, t0):bisect.bisect_right(starts, t1)]
-        ks = [kernels[l["args"]["correlation"]] for l in inside if l["args"]["correlation"] in kernels]
+        ks = [kernels[c] for c in (e["args"]["correlation"] for e in inside) if c in kernels]
         by_name = defaultdict(float)
         for k in ks:
             by_name[k["name"][:70]] += k["dur"] / 1e3

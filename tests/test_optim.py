@@ -226,6 +226,7 @@ def test_bf16_master_weights_in_deepspeed_are_the_weight_partitions(tmp_path, st
     checkpoint restores the master weights and moments exactly."""
     import json
 
+    from dschat.engine.config import REDUCE_BUCKET_SIZE
     from tests.dist_utils import REPO, run_deepspeed
     run_deepspeed(REPO / "tests/dist/bf16_optimizer.py", ["--stage", stage, "--out", tmp_path / "r"])
     for rank in (0, 1):
@@ -236,6 +237,8 @@ def test_bf16_master_weights_in_deepspeed_are_the_weight_partitions(tmp_path, st
         assert bf16["master_dtype"] == "torch.bfloat16" and bf16["master_is_the_bf16_partition"], bf16
         assert bf16["moment_dtypes"] == ["torch.bfloat16"] and fp32["moment_dtypes"] == ["torch.float32"]
         assert (bf16["optimizer_bytes_per_element"], fp32["optimizer_bytes_per_element"]) == (4.0, 12.0)
+        if stage == 3:      # our bucket size, not DeepSpeed's 5e8 (0.93 GiB in bf16 held all run)
+            assert bf16["reduce_bucket_elements"] == fp32["reduce_bucket_elements"] == [REDUCE_BUCKET_SIZE]
         for run in (fp32, bf16):
             assert run["loaded"] == run["saved"], run
         assert bf16["losses"][0] == fp32["losses"][0]                 # same weights, same batch

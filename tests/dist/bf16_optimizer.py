@@ -96,7 +96,10 @@ def main():
              "moment_dtypes": sorted({str(s.dtype) for s in states}),
              # master copy (when separate) and moments per trained element, the gradients aside
              "optimizer_bytes_per_element": (separate_master + sum(s.numel() * s.element_size() for s in states))
-             / trained}
+             / trained,
+             # ZeRO-3's contiguous reduce bucket, allocated up front (elements per gradient dtype)
+             "reduce_bucket_elements": sorted({b.buffer.numel() for b in zero.ipg_buckets.values()
+                                               if b.buffer is not None}) if args.stage == 3 else None}
         ckpt = Path(tempfile.gettempdir()) / f"bf16_opt_ckpt_{args.stage}_{optimizer_dtype}"
         engine.save_checkpoint(str(ckpt), tag="t")
         r["saved"] = fingerprint(zero)
