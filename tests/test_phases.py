@@ -95,3 +95,26 @@ def test_profiled_step_writes_a_memory_snapshot_on_cuda(tmp_path):
     # the step's allocations are in the trace (a 1000 x 1000 fp32 tensor: 4,000,000 bytes)
     events = [e for trace in snapshot["device_traces"] for e in trace]
     assert any(e["action"] == "alloc" and e["size"] >= 4_000_000 for e in events), len(events)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_phases_take_the_gpu_time_of_their_work_without_synchronizing():
+    """A phase's seconds are the GPU time of what was queued in it (CUDA events), read at
+    `metrics()`: the host leaves the phase before the GPU is done with it."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    timer = PhaseTimer(device)
+    torch.cuda.synchronize(device)
+    host = time.perf_counter()
+    with timer.phase("spin"):
+        torch.cuda._sleep(200_000_000)       # ~0.1 s of GPU cycles, queued at once
+    with timer.phase("nothing"):
+        pass
+    host = time.perf_counter() - host
+    m = timer.metrics()                      # waits for the events
+    assert m["time/spin_s"] > 5 * host, (m, host)   # GPU time, not the host's queueing time
+    assert m["time/nothing_s"] < m["time/spin_s"] / 10
+    synced = PhaseTimer(device, sync=True)
+    with synced.phase("spin"):
+        torch.cuda._sleep(200_000_000)
+    assert synced.metrics()["time/spin_s"] == pytest.approx(m["time/spin_s"], rel=0.5)

@@ -7,6 +7,7 @@ dschat.rlhf.estimators and train the actor only.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -137,7 +138,8 @@ class PPOTrainer:
                        else est.FixedKLController(c.kl_ctl))
         self.rollout_stats: dict = {}   # this rank's counters of the last rollout(s), for metrics
         # seconds and peak memory of each phase (STEP3_PHASES) since the last `phases.reset()`
-        self.phases = PhaseTimer(engines.actor.device)
+        # (GPU time by CUDA events; DSCHAT_PHASE_SYNC=1, a benchmark switch, synchronizes at each boundary)
+        self.phases = PhaseTimer(engines.actor.device, sync=os.environ.get("DSCHAT_PHASE_SYNC") == "1")
         if c.score_in_training_forward:
             _check_no_dropout(engines)
 

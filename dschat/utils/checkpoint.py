@@ -452,10 +452,14 @@ class NonFiniteGuard:
         self.in_a_row: dict[str, int] = {}
 
     def ok(self, name: str, step: int, *tensors: torch.Tensor, micro: int | None = None) -> bool:
-
-        finite = all(bool(torch.isfinite(t.detach()).all()) for t in tensors) \
-            and not _forced_nonfinite(name, step, micro)
-        bad = int(dist.all_reduce_sum(torch.tensor([0.0 if finite else 1.0], device=self.device)).item())
+        # the test stays on the device up to one read of the reduced count: the host waits for
+        # the GPU once per update, not once per tensor and again for the collective
+        bad_here = torch.zeros(1, device=self.device)
+        for t in tensors:
+            bad_here += (~torch.isfinite(t.detach())).any().to(bad_here.device, torch.float32)
+        if _forced_nonfinite(name, step, micro):
+            bad_here += 1
+        bad = int(dist.all_reduce_sum(bad_here.clamp(max=1)).item())
         if not bad:
             self.in_a_row[name] = 0
             return True
