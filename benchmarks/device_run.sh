@@ -29,7 +29,7 @@
 # bf16opt: bloom-560m step 3 with bf16 optimizer state (--optimizer_dtype bf16), plain,
 #   checkpointed and checkpointed in 2 training micro-batches, beside ours fast and hybrid off
 # limit: bloom-560m step 3 with bf16 optimizer state, scored in the training forwards or not,
-#   checkpointed or not, beside hybrid off
+#   checkpointed (every block, every other block) or not, the phase timer synchronizing, beside hybrid off
 # profile: bloom-560m step 3 with bf16 optimizer state (checkpointed and scored in training, and
 #   plain), step 4 profiled: per phase, wall time against the time of the kernels it launched
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
@@ -140,8 +140,9 @@ elif [ "$what" = limit ]; then
   # bloom-560m step 3's fastest modes within and beside 16 GiB: bf16 optimizer state, with and
   # without the actor's and critic's scoring passes, beside hybrid off
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --hybrid_off_steps 3 \
-    --modes "ours fast, bf16 optimizer" "ours fast, bf16 optimizer, scored in training" \
-    "ours fast, bf16 optimizer, checkpointed, scored in training" "ours fast, bf16 optimizer, checkpointed" \
+    --modes "ours fast, bf16 optimizer" "ours fast, bf16 optimizer, checkpointed, scored in training" "ours fast, bf16 optimizer, checkpointed" \
+    "ours fast, bf16 optimizer, half checkpointed" "ours fast, bf16 optimizer, half checkpointed, scored in training" \
+    "ours fast, bf16 optimizer, checkpointed, phases synchronized" \
     "hybrid off, bf16 optimizer, checkpointed" --out "$out/step3_limit.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = profile ]; then
   # where bloom-560m's bf16 step goes: step 4 profiled, wall against kernel time per phase

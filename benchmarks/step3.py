@@ -37,6 +37,7 @@ PINNED = ["--offload_pin_memory"]
 REFERENCE_OFFLOADED = ["--offload_reference_model"]
 LORA = ["--actor_lora_dim", "128", "--only_optimize_lora"]
 BF16_OPTIMIZER = ["--optimizer_dtype", "bf16"]
+HALF = ["--checkpoint_every_n_layers", "2"]
 TWO_MICRO = ["--per_device_training_batch_size", "8", "--gradient_accumulation_steps", "2"]   # after --batch 16
 
 MODES = {
@@ -94,6 +95,10 @@ MODES = {
     "ours fast, bf16 optimizer, scored in training": HYBRID + BF16_OPTIMIZER + ["--score_in_training_forward"],
     "ours fast, bf16 optimizer, checkpointed, scored in training":
         HYBRID + BF16_OPTIMIZER + CHECKPOINTED + ["--score_in_training_forward"],
+    # every other transformer block recomputed (--checkpoint_every_n_layers 2): half the recomputation
+    "ours fast, bf16 optimizer, half checkpointed": HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF,
+    "ours fast, bf16 optimizer, half checkpointed, scored in training":
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + ["--score_in_training_forward"],
     # the step's phase timer synchronizing the GPU at every phase boundary (its earlier form)
     "ours fast, bf16 optimizer, checkpointed, phases synchronized": HYBRID + BF16_OPTIMIZER + CHECKPOINTED,
     "hybrid off, bf16 optimizer, checkpointed": BF16_OPTIMIZER + CHECKPOINTED,

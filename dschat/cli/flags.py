@@ -67,6 +67,7 @@ def add_model_train_args(parser: argparse.ArgumentParser, *, learning_rate: floa
     g.add_argument("--gradient_checkpointing", action="store_true",
                    help="Recompute activations in backward to save memory (with --only_optimize_lora too, "
                         "which upstream refuses).")
+    add_checkpoint_every_n_layers_arg(g)
     g.add_argument("--dropout", type=float, default=None,
                    help="Set every dropout of the model to this value (default: keep the model's).")
     add_offload_args(g, "ZeRO-Offload: optimizer state (and at stage 3 parameters) in CPU memory.")
@@ -97,6 +98,14 @@ def add_zero3_hooks_arg(g) -> None:
                    help="ZeRO-3 parameter gathering unit: 'block' gathers and releases each transformer "
                         "block whole (one hook per block; far less host time per step, same numbers); "
                         "'module' keeps DeepSpeed's hooks on every linear and norm.")
+
+
+def add_checkpoint_every_n_layers_arg(g) -> None:
+    g.add_argument("--checkpoint_every_n_layers", type=int, default=1, metavar="N",
+                   help="With activation checkpointing on, recompute only every N-th transformer block (the "
+                        "first, then every N-th, as transformers' every_n_layers); the others keep their "
+                        "activations: N=2 holds about half of the activations checkpointing saves and does half "
+                        "its recomputation. Default 1: every block.")
 
 
 def add_offload_args(g, offload_help: str) -> None:
@@ -335,6 +344,7 @@ def add_step3_args(p: argparse.ArgumentParser) -> None:
                         "--gradient_accumulation_steps 1, no --filter_groups and dropout 0 in actor and critic. "
                         "The PPO ratio is then exactly 1; both models' activations are alive together.")
     g.add_argument("--critic_gradient_checkpointing", action="store_true", help="Critic activation checkpointing.")
+    add_checkpoint_every_n_layers_arg(g)
     g.add_argument("--actor_dropout", type=float, default=0.0,
                    help="Actor dropout (default 0.0, as upstream's step-3 scripts: with dropout the PPO "
                         "ratio is not 1 at the first micro-step); set it to train with the model's own.")

@@ -129,7 +129,8 @@ def sft_problems(args) -> list[str]:
     """Problems shared by steps 1 and 2."""
     out = _data_split(args)
     out += _at_least(args, ("per_device_train_batch_size", "per_device_eval_batch_size", "max_seq_len",
-                            "gradient_accumulation_steps", "num_train_epochs", "eval_iters"), 1)
+                            "gradient_accumulation_steps", "num_train_epochs", "eval_iters",
+                            "checkpoint_every_n_layers"), 1)
     out += _at_least(args, ("num_warmup_steps", "max_steps", "eval_interval"), 0)
     if args.learning_rate <= 0:
         out.append(f"--learning_rate must be > 0, got {args.learning_rate}")
@@ -214,6 +215,7 @@ def step3_problems(args) -> list[str]:
     out += _at_least(args, ("per_device_generation_batch_size", "per_device_training_batch_size",
                             "generation_batches", "ppo_epochs", "max_prompt_seq_len", "max_answer_seq_len",
                             "num_train_epochs", "gradient_accumulation_steps", "print_answers_interval",
+                            "checkpoint_every_n_layers",
                             "tp_gather_partition_size"), 1)
     out += _at_least(args, ("num_warmup_steps", "max_steps", "min_answer_seq_len", "test_stop_step", "profile_step"), 0)
     gen_rows = args.per_device_generation_batch_size * args.generation_batches

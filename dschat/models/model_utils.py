@@ -161,6 +161,21 @@ def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | Non
     return model
 
 
+def enable_activation_checkpointing(model: nn.Module, every_n_layers: int = 1) -> int:
+    """HF activation checkpointing of `model` (a causal LM or the reward model), recomputing
+    only every `every_n_layers`-th transformer block in backward (the first, then every N-th;
+    transformers' own `every_n_layers` rule): the other blocks keep their activations, which
+    costs their memory and saves their recomputation. Returns how many blocks recompute."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    if every_n_layers < 1:
+        raise ValueError(f"every_n_layers must be >= 1, got {every_n_layers}")
+    model.gradient_checkpointing_enable()
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for i, block in enumerate(blocks):
+        block.gradient_checkpointing = i % every_n_layers == 0
+    return sum(b.gradient_checkpointing for b in blocks)
+
+
 def build_lm_engine(args, tokenizer, ds_config: dict, num_update_steps: int):
     """The DeepSpeed engine of a trained causal LM from step 1's flags (--model_name_or_path,
     --dropout, LoRA, --gradient_checkpointing, optimizer and LR schedule): step 1's model and
@@ -171,7 +186,7 @@ def build_lm_engine(args, tokenizer, ds_config: dict, num_update_steps: int):
                             dropout=args.dropout, seed=args.seed, attn_implementation=args.attn_implementation)
     model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model, args.checkpoint_every_n_layers)
         model.config.use_cache = False
     return train_engine(model, args, ds_config, num_update_steps)
 

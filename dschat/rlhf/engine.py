@@ -18,7 +18,7 @@ from dschat.engine.config import eval_ds_config, frozen_stage, offload_options, 
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
 from dschat.engine.zero import gathered, initialize_engine
 from dschat.models.lora import apply_lora
-from dschat.models.model_utils import create_hf_model
+from dschat.models.model_utils import create_hf_model, enable_activation_checkpointing
 from dschat.models.reward_model import create_reward_model, load_reward_model
 from dschat.rlhf.ppo_math import ema_update_
 from dschat.utils import dist
@@ -107,7 +107,7 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
                             dropout=args.actor_dropout, seed=args.seed, attn_implementation=attn)
     actor = apply_lora(actor, args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
     if args.actor_gradient_checkpointing:
-        actor.gradient_checkpointing_enable()
+        enable_activation_checkpointing(actor, args.checkpoint_every_n_layers)
     opt = build_optimizer(actor, lr=args.actor_learning_rate, weight_decay=args.actor_weight_decay,
                           lora_lr=args.actor_lora_learning_rate, offload=args.offload,
                           adam_kernel=args.adam_kernel, optimizer_dtype=args.optimizer_dtype)
@@ -152,7 +152,7 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
         critic.rwtransformer = apply_lora(critic.rwtransformer, args.critic_lora_dim,
                                           args.critic_lora_module_name, args.only_optimize_lora)
         if args.critic_gradient_checkpointing:
-            critic.gradient_checkpointing_enable()
+            enable_activation_checkpointing(critic, args.checkpoint_every_n_layers)
         opt = build_optimizer(critic, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay,
                               lora_lr=args.critic_lora_learning_rate, offload=args.offload,
                               adam_kernel=args.adam_kernel, optimizer_dtype=args.optimizer_dtype)

@@ -18,7 +18,7 @@ from dschat.data import DataCollatorReward
 from dschat.engine.config import offload_options, train_ds_config
 from dschat.engine.train_loop import load_step_data, start_run
 from dschat.models.lora import apply_lora
-from dschat.models.model_utils import load_tokenizer, train_engine
+from dschat.models.model_utils import enable_activation_checkpointing, load_tokenizer, train_engine
 from dschat.models.reward_model import create_reward_model, save_reward_model
 from dschat.rlhf.reward_trainer import evaluate, train_step
 from dschat.utils.dist import get_rank, get_world_size, init_distributed
@@ -48,7 +48,7 @@ def build_engine(args, tokenizer, ds_config, num_update_steps):
     model.rwtransformer = apply_lora(model.rwtransformer, args.lora_dim, args.lora_module_name,
                                      args.only_optimize_lora)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model, args.checkpoint_every_n_layers)
     return train_engine(model, args, ds_config, num_update_steps)
 
 
