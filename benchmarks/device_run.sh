@@ -30,8 +30,9 @@
 #   checkpointed and checkpointed in 2 training micro-batches, beside ours fast and hybrid off
 # limit: bloom-560m step 3 with bf16 optimizer state, scored in the training forwards or not,
 #   checkpointed (every block, every other block) or not, the phase timer synchronizing, beside hybrid off
-# profile: bloom-560m step 3 with bf16 optimizer state (checkpointed and scored in training, and
-#   plain), step 4 profiled: per phase, wall time against the time of the kernels it launched
+# profile: bloom-560m step 3 with bf16 optimizer state, checkpointed and scored in training
+#   (or $PROFILE_MODE), step 4 profiled: per phase, wall time against the time of the kernels it
+#   launched (trace_phases.py); AND_PROFILE=1 runs it after limit
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
 #   bf16 optimizer state on the GPU (no host offload), checkpointed, beside hybrid off (3 steps);
 #   on a GPU under 100 GB with the reference's weights on the host
@@ -144,10 +145,11 @@ elif [ "$what" = limit ]; then
     "ours fast, bf16 optimizer, half checkpointed" "ours fast, bf16 optimizer, half checkpointed, scored in training" \
     "ours fast, bf16 optimizer, checkpointed, phases synchronized" \
     "hybrid off, bf16 optimizer, checkpointed" --out "$out/step3_limit.md" 2>&1 | grep --line-buffered -v -i warn
+  [ -n "${AND_PROFILE:-}" ] && bash "$0" profile "$out"
 elif [ "$what" = profile ]; then
   # where bloom-560m's bf16 step goes: step 4 profiled, wall against kernel time per phase
-  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 --profile_step 4 \
-    --modes "ours fast, bf16 optimizer, checkpointed, scored in training" "ours fast, bf16 optimizer" \
+  python3 benchmarks/step3.py --preset bloom-560m --steps 4 --warmup 2 --profile_step 4 \
+    --modes "${PROFILE_MODE:-ours fast, bf16 optimizer, checkpointed, scored in training}" \
     --out "$out/step3_profile.md" 2>&1 | grep --line-buffered -v -i warn
   cat "$out"/step3_phases_*.md
 elif [ "$what" = big7bbf16 ]; then
