@@ -33,8 +33,11 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
 
 
 def analyse(events: list[dict], top: int = 6) -> list[dict]:
-    phases = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("dschat/")]
-    launches = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+    # the host's ranges ("gpu_user_annotation" events repeat them on the GPU's timeline)
+    phases = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+              and str(e.get("name", "")).startswith("dschat/")]
+    # runtime and driver launches (Triton's kernels go through the driver API)
+    launches = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
                 and "correlation" in (e.get("args") or {})]
     kernels = {e["args"]["correlation"]: e for e in events
                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")

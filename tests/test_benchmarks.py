@@ -89,13 +89,14 @@ def test_trace_phases_splits_wall_from_kernel_time():
     from benchmarks.trace_phases import analyse
     ev = [{"ph": "X", "name": "dschat/score/actor", "cat": "user_annotation", "ts": 0, "dur": 100},
           {"ph": "X", "name": "dschat/train/actor_forward", "cat": "user_annotation", "ts": 200, "dur": 50},
+          {"ph": "X", "name": "dschat/score/actor", "cat": "gpu_user_annotation", "ts": 20, "dur": 100},  # not a phase
           {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 5, "dur": 20},
           {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 10, "dur": 5},         # nested: not counted
           {"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": 10, "dur": 2,
            "args": {"correlation": 1}},
           {"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": 90, "dur": 2,
            "args": {"correlation": 2}},
-          {"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": 210, "dur": 2,
+          {"ph": "X", "name": "cuLaunchKernel", "cat": "cuda_driver", "ts": 210, "dur": 2,
            "args": {"correlation": 3}},
           {"ph": "X", "name": "gemm", "cat": "kernel", "ts": 20, "dur": 30, "args": {"correlation": 1}},
           {"ph": "X", "name": "gemm", "cat": "kernel", "ts": 40, "dur": 80, "args": {"correlation": 2}},  # runs past
