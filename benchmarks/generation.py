@@ -24,8 +24,6 @@ import torch
 
 PRESETS = {
     "tiny-bloom": dict(model_type="bloom", vocab_size=1024, hidden_size=128, n_layer=4, n_head=4),  # CPU smoke
-    # bloom-560m's 24 blocks at a width where the compute is negligible: what is left of a step is host time
-    "deep-tiny-bloom": dict(model_type="bloom", vocab_size=1024, hidden_size=64, n_layer=24, n_head=4),
     "bloom-560m": dict(model_type="bloom", vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16),
     "bloom-1b7": dict(model_type="bloom", vocab_size=250880, hidden_size=2048, n_layer=24, n_head=16),
     "bloom-7b1": dict(model_type="bloom", vocab_size=250880, hidden_size=4096, n_layer=30, n_head=32),
