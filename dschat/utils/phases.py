@@ -69,7 +69,6 @@ class PhaseTimer:
         finally:
             if self.cuda and self.sync:
                 torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - start
             if self.cuda:
                 self._fold_peak()
             _, peak = self._open.pop()
@@ -78,8 +77,8 @@ class PhaseTimer:
                 end.record(torch.cuda.current_stream(self.device))
                 self._events.append((name, begin, end))
                 self.seconds.setdefault(name, 0.0)
-            else:
-                self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+            else:   # host time (after the synchronization, on CUDA)
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
             if self.cuda:
                 self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak)
 
