@@ -33,6 +33,8 @@
 # profile: bloom-560m step 3 with bf16 optimizer state, checkpointed and scored in training
 #   (or $PROFILE_MODE), step 4 profiled: per phase, wall time against the time of the kernels it
 #   launched (trace_phases.py); AND_PROFILE=1 runs it after limit
+# alloc: the CUDA tests of tests/test_phases.py, then bloom-560m step 3 (bf16 optimizer state,
+#   checkpointed, scored in training) with the caching allocator's expandable segments and without
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
 #   bf16 optimizer state on the GPU (no host offload), checkpointed, beside hybrid off (3 steps);
 #   on a GPU under 100 GB with the reference's weights on the host
@@ -152,6 +154,14 @@ elif [ "$what" = profile ]; then
     --modes "${PROFILE_MODE:-ours fast, bf16 optimizer, checkpointed, scored in training}" \
     --out "$out/step3_profile.md" 2>&1 | grep --line-buffered -v -i warn
   cat "$out"/step3_phases_*.md
+elif [ "$what" = alloc ]; then
+  # the phase timer's and allocator counters' CUDA tests, then bloom-560m's fastest mode within
+  # 16 GiB with the caching allocator's expandable segments against its default segments
+  python3 -m pytest -q -p no:cacheprovider tests/test_phases.py 2>&1 | tail -3
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 \
+    --modes "ours fast, bf16 optimizer, checkpointed, scored in training" \
+    "ours fast, bf16 optimizer, checkpointed, scored in training, expandable segments" \
+    --out "$out/step3_alloc.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = big7bbf16 ]; then
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   modes=("ours fast, bf16 optimizer, checkpointed, reference offloaded"

@@ -101,6 +101,10 @@ MODES = {
         HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + ["--score_in_training_forward"],
     # the step's phase timer synchronizing the GPU at every phase boundary (its earlier form)
     "ours fast, bf16 optimizer, checkpointed, phases synchronized": HYBRID + BF16_OPTIMIZER + CHECKPOINTED,
+    # the caching allocator mapping memory into growable segments (PYTORCH_CUDA_ALLOC_CONF):
+    # no fragmentation flushes where the live tensors change shape every phase
+    "ours fast, bf16 optimizer, checkpointed, scored in training, expandable segments":
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + ["--score_in_training_forward"],
     "hybrid off, bf16 optimizer, checkpointed": BF16_OPTIMIZER + CHECKPOINTED,
     "hybrid off, bf16 optimizer, checkpointed, reference offloaded":
         BF16_OPTIMIZER + CHECKPOINTED + REFERENCE_OFFLOADED,
@@ -112,7 +116,9 @@ MODES = {
 OFFLOADED = tuple(m for m in MODES if "optimizer offloaded" in m)
 MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"},
             "ours fast, bf16 optimizer, checkpointed, phases synchronized": {"DSCHAT_PHASE_SYNC": "1"},
-            "ours fast, replica copied": {"DSCHAT_COPY_REPLICA": "1"}}
+            "ours fast, replica copied": {"DSCHAT_COPY_REPLICA": "1"},
+            "ours fast, bf16 optimizer, checkpointed, scored in training, expandable segments":
+                {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 
 
 def parse_args(argv=None):
@@ -301,7 +307,8 @@ def main(argv=None):
         mean = lambda k: sum(r.get(k, 0.0) for r in steady) / len(steady)  # noqa: E731
         results[mode] = {k: mean(k) for k in ("time/step_s", "time/generate_s", "time/score_s", "time/train_s",
                                               "gen/fill_seconds", "memory/peak_gib",
-                                              "memory/host_peak_gib")}
+                                              "memory/host_peak_gib", "memory/reserved_peak_gib",
+                                              "memory/allocator_flushes")}
         results[mode]["samples_per_s"] = args.batch * args.num_gpus / results[mode]["time/step_s"]
         results[mode]["phases"] = phase_means(steady)
         results[mode]["steps"] = len(rows)
@@ -315,17 +322,18 @@ def main(argv=None):
              + (f"; offloaded modes keep {args.offload_ratio:.0%} of the optimizer states on the host"
                 if any(m in OFFLOADED for m in args.modes) else ""), "",
              "| mode | step s | generation s | scoring s | training s | refill s | samples/s | x hybrid off | peak GiB "
-             "| host peak GiB | steps done | params left gathered (max) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| reserved GiB | allocator flushes per step | host peak GiB | steps done | params left gathered (max) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = next((r["samples_per_s"] for m, r in results.items() if m.startswith("hybrid off") and r), None)
     for mode, r in results.items():
         if r is None:
-            lines.append(f"| {mode} | failed | | | | | | | | | | |")
+            lines.append(f"| {mode} | failed | | | | | | | | | | | | |")
             continue
         ratio = r["samples_per_s"] / base if base else float("nan")
         lines.append(f"| {mode} | {r['time/step_s']:.2f} | {r['time/generate_s']:.2f} | {r['time/score_s']:.2f} | "
                      f"{r['time/train_s']:.2f} | {r['gen/fill_seconds']:.3f} | {r['samples_per_s']:.2f} | "
-                     f"{ratio:.2f} | {r['memory/peak_gib']:.1f} | {r['memory/host_peak_gib']:.1f} | {r['steps']} | "
+                     f"{ratio:.2f} | {r['memory/peak_gib']:.1f} | {r['memory/reserved_peak_gib']:.1f} | "
+                     f"{r['memory/allocator_flushes']:.1f} | {r['memory/host_peak_gib']:.1f} | {r['steps']} | "
                      f"{int(r['left_gathered_max'])} |")
     lines += phase_tables(results)
     table = "\n".join(lines) + "\n"

@@ -118,3 +118,39 @@ def test_cuda_phases_take_the_gpu_time_of_their_work_without_synchronizing():
     with synced.phase("spin"):
         torch.cuda._sleep(200_000_000)
     assert synced.metrics()["time/spin_s"] == pytest.approx(m["time/spin_s"], rel=0.5)
+
+
+def test_allocator_metrics_are_cuda_only():
+    assert dist.allocator_metrics(torch.device("cpu")) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_allocator_metrics_count_flushes_per_call_and_keep_the_reserved_peak():
+    """A request that fits only after the cached blocks go back to the driver is one flush;
+    the next call reports only flushes after it. The reserved peak outlives the phases'
+    counter restarts, like the allocated one."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    mib = 2 ** 20
+    torch.cuda.empty_cache()
+    dist.allocator_metrics(device)                   # flushes before this test are not its own
+    _, total = torch.cuda.mem_get_info(device)
+    fraction = (torch.cuda.memory_reserved(device) + 300 * mib) / total
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    try:
+        # 160 MiB cached in 8 MiB blocks (freed, kept by the allocator), then 200 MiB at once:
+        # it does not fit beside the cache under the 300 MiB cap, so the cache is flushed and retried
+        small = [torch.empty(8 * mib, dtype=torch.uint8, device=device) for _ in range(20)]
+        del small
+        big = torch.empty(200 * mib, dtype=torch.uint8, device=device)
+        m = dist.allocator_metrics(device)
+        assert m["memory/allocator_flushes"] >= 1
+        assert m["memory/reserved_peak_gib"] * 2 ** 30 >= torch.cuda.memory_allocated(device)
+        dist.reset_peak_memory(device)
+        del big
+        torch.cuda.empty_cache()
+        after = dist.allocator_metrics(device)
+        assert after["memory/allocator_flushes"] == 0
+        assert after["memory/reserved_peak_gib"] >= m["memory/reserved_peak_gib"]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)

@@ -26,6 +26,7 @@ from dschat.utils.checkpoint import Checkpointer, NonFiniteGuard, fault_point, s
 from dschat.utils.dist import (
     all_reduce_mean,
     all_reduce_sum,
+    allocator_metrics,
     get_rank,
     get_world_size,
     host_peak_gib,
@@ -319,6 +320,7 @@ def train_step3(args) -> None:
                     record["time/step_s"] = time.time() - round_start
                     record["memory/peak_gib"] = peak_memory_gib(device)
                     record["memory/host_peak_gib"] = host_peak_gib()
+                    record.update(allocator_metrics(device))
                     record["zero/params_left_gathered"] = trainer.params_left_gathered()
                     record["ppo/samples_per_s"] = round_samples * world / record["time/step_s"]
                     trainer.update_kl(record["ppo/kl_per_answer"], round_samples * world)

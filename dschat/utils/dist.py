@@ -172,6 +172,8 @@ def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
 
 
 _PEAK_BEFORE_RESET: dict = {}   # CUDA device index -> the most bytes allocated before the last reset_peak_memory
+_RESERVED_BEFORE_RESET: dict = {}   # ... and the most bytes the caching allocator held from the driver
+_FLUSHES_SEEN: dict = {}        # CUDA device index -> the allocator's cache flushes already reported
 
 
 def _cuda_index(device) -> int:
@@ -184,6 +186,7 @@ def reset_peak_memory(device: torch.device) -> None:
     while `peak_memory_gib` still reports the run's peak."""
     index = _cuda_index(device)
     _PEAK_BEFORE_RESET[index] = max(_PEAK_BEFORE_RESET.get(index, 0), torch.cuda.max_memory_allocated(device))
+    _RESERVED_BEFORE_RESET[index] = max(_RESERVED_BEFORE_RESET.get(index, 0), torch.cuda.max_memory_reserved(device))
     torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -193,6 +196,21 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return max(_PEAK_BEFORE_RESET.get(_cuda_index(device), 0), torch.cuda.max_memory_allocated(device)) / 2 ** 30
     return host_peak_gib()
+
+
+def allocator_metrics(device: torch.device) -> dict:
+    """CUDA's caching allocator (nothing on CPU): `memory/reserved_peak_gib`, the most memory
+    it held from the driver so far in the run (what the GPU must have; at least the allocated
+    peak), and `memory/allocator_flushes`, how often since the last call an allocation found
+    no free cached block, returned every cached block to the driver and retried. Each flush
+    synchronizes the device and costs milliseconds; DeepSpeed's ZeRO-3 warns of them too."""
+    if device.type != "cuda":
+        return {}
+    index = _cuda_index(device)
+    flushes = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    new, _FLUSHES_SEEN[index] = flushes - _FLUSHES_SEEN.get(index, 0), flushes
+    reserved = max(_RESERVED_BEFORE_RESET.get(index, 0), torch.cuda.max_memory_reserved(device))
+    return {"memory/reserved_peak_gib": reserved / 2 ** 30, "memory/allocator_flushes": new}
 
 
 def host_available_bytes() -> int | None:
