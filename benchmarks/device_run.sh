@@ -33,6 +33,8 @@
 # profile: bloom-560m step 3 with bf16 optimizer state, checkpointed and scored in training
 #   (or $PROFILE_MODE), step 4 profiled: per phase, wall time against the time of the kernels it
 #   launched (trace_phases.py); AND_PROFILE=1 runs it after limit
+# zero2: bloom-560m step 3 (bf16 optimizer state, scored in training, checkpointed) with actor and
+#   critic at ZeRO-2 against ZeRO-3, and ZeRO-2 with every other block checkpointed
 # alloc: the CUDA tests of tests/test_phases.py, then bloom-560m step 3 (bf16 optimizer state,
 #   checkpointed, scored in training) with the caching allocator's expandable segments and without
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
@@ -154,6 +156,13 @@ elif [ "$what" = profile ]; then
     --modes "${PROFILE_MODE:-ours fast, bf16 optimizer, checkpointed, scored in training}" \
     --out "$out/step3_profile.md" 2>&1 | grep --line-buffered -v -i warn
   cat "$out"/step3_phases_*.md
+elif [ "$what" = zero2 ]; then
+  # bloom-560m's fastest modes within and beside 16 GiB with actor and critic at ZeRO-2 against ZeRO-3
+  python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 \
+    --modes "ours fast, bf16 optimizer, checkpointed, scored in training" \
+    "ours fast, bf16 optimizer, checkpointed, scored in training, ZeRO-2" \
+    "ours fast, bf16 optimizer, half checkpointed, scored in training, ZeRO-2" \
+    --out "$out/step3_zero2.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = alloc ]; then
   # the phase timer's and allocator counters' CUDA tests, then bloom-560m's fastest mode within
   # 16 GiB with the caching allocator's expandable segments against its default segments

@@ -38,6 +38,7 @@ REFERENCE_OFFLOADED = ["--offload_reference_model"]
 LORA = ["--actor_lora_dim", "128", "--only_optimize_lora"]
 BF16_OPTIMIZER = ["--optimizer_dtype", "bf16"]
 HALF = ["--checkpoint_every_n_layers", "2"]
+ZERO2 = ["--actor_zero_stage", "2", "--critic_zero_stage", "2"]     # after the default stage 3
 TWO_MICRO = ["--per_device_training_batch_size", "8", "--gradient_accumulation_steps", "2"]   # after --batch 16
 
 MODES = {
@@ -64,7 +65,7 @@ MODES = {
     "ours fast, replica copied": HYBRID,
     # ZeRO-2 (and ZeRO-0) at world size 1: what ZeRO-3's hooks, fetches and partitioned
     # optimizer step cost where there is nothing to partition (generation on the live weights)
-    "ours fast, ZeRO-2": HYBRID + ["--actor_zero_stage", "2", "--critic_zero_stage", "2"],
+    "ours fast, ZeRO-2": HYBRID + ZERO2,
     "ours fast, ZeRO-0": HYBRID + ["--actor_zero_stage", "0", "--critic_zero_stage", "0"],
     # full fine-tuning of an actor whose training state outgrows one GPU: the parameters stay
     # on the GPU, --offload_ratio of the optimizer states go to host memory (DeepSpeedCPUAdam);
@@ -99,6 +100,12 @@ MODES = {
     "ours fast, bf16 optimizer, half checkpointed": HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF,
     "ours fast, bf16 optimizer, half checkpointed, scored in training":
         HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + ["--score_in_training_forward"],
+    # the same with actor and critic at ZeRO-2: no parameter gather or release hooks around each
+    # block (on one GPU ZeRO-3 partitions nothing; the frozen models are unpartitioned either way)
+    "ours fast, bf16 optimizer, checkpointed, scored in training, ZeRO-2":
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + ["--score_in_training_forward"] + ZERO2,
+    "ours fast, bf16 optimizer, half checkpointed, scored in training, ZeRO-2":
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + ["--score_in_training_forward"] + ZERO2,
     # the step's phase timer synchronizing the GPU at every phase boundary (its earlier form)
     "ours fast, bf16 optimizer, checkpointed, phases synchronized": HYBRID + BF16_OPTIMIZER + CHECKPOINTED,
     # the caching allocator mapping memory into growable segments (PYTORCH_CUDA_ALLOC_CONF):
