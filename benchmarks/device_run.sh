@@ -33,7 +33,7 @@
 # profile: bloom-560m step 3 with bf16 optimizer state, checkpointed and scored in training
 #   (or $PROFILE_MODE), step 4 profiled: per phase, wall time against the time of the kernels it
 #   launched (trace_phases.py); AND_PROFILE=1 runs it after limit
-# zero2: bloom-560m step 3 (bf16 optimizer state, scored in training, checkpointed) with actor and
+# zero2: tests/test_phases.py's CUDA tests, then bloom-560m step 3 (bf16 optimizer state, scored in training, checkpointed) with actor and
 #   critic at ZeRO-2 against ZeRO-3, and ZeRO-2 with every other block checkpointed
 # alloc: the CUDA tests of tests/test_phases.py, then bloom-560m step 3 (bf16 optimizer state,
 #   checkpointed, scored in training) with the caching allocator's expandable segments and without
@@ -157,7 +157,9 @@ elif [ "$what" = profile ]; then
     --out "$out/step3_profile.md" 2>&1 | grep --line-buffered -v -i warn
   cat "$out"/step3_phases_*.md
 elif [ "$what" = zero2 ]; then
-  # bloom-560m's fastest modes within and beside 16 GiB with actor and critic at ZeRO-2 against ZeRO-3
+  # bloom-560m's fastest modes within and beside 16 GiB with actor and critic at ZeRO-2 against
+  # ZeRO-3, after the CUDA tests of the phase timer and allocator counters
+  python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_phases.py 2>&1 | tail -25
   python3 benchmarks/step3.py --preset bloom-560m --steps 5 --warmup 2 \
     --modes "ours fast, bf16 optimizer, checkpointed, scored in training" \
     "ours fast, bf16 optimizer, checkpointed, scored in training, ZeRO-2" \

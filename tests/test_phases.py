@@ -138,9 +138,11 @@ def test_allocator_metrics_count_flushes_per_call_and_keep_the_reserved_peak():
     fraction = (torch.cuda.memory_reserved(device) + 300 * mib) / total
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     try:
-        # 160 MiB cached in 8 MiB blocks (freed, kept by the allocator), then 200 MiB at once:
-        # it does not fit beside the cache under the 300 MiB cap, so the cache is flushed and retried
-        small = [torch.empty(8 * mib, dtype=torch.uint8, device=device) for _ in range(20)]
+        # 160 MiB cached in the small-block pool (512 KiB tensors, freed, kept by the allocator),
+        # then 200 MiB at once: it does not fit beside that cache under the 300 MiB cap, and the
+        # large-block pool has nothing to give back, so every cached block goes back to the
+        # driver and the allocation is retried (a 200 MiB request never takes small blocks)
+        small = [torch.empty(512 * 1024, dtype=torch.uint8, device=device) for _ in range(320)]
         del small
         big = torch.empty(200 * mib, dtype=torch.uint8, device=device)
         m = dist.allocator_metrics(device)
