@@ -8,7 +8,9 @@
 # largestbf16: full fine-tuning of LLaMA-7B (TinyLlama critic) and OPT-13B (OPT-350m critic, the
 #   reference's weights on the host) with bf16 optimizer state on the GPU, no optimizer offload
 # presets: every one-GPU preset through steps 1-3, 5 steps each, smallest first (presets_run.py);
-#   PRESETS="a b" runs those, in that order; PRESET_STEPS=N steps each (default 5)
+#   PRESETS="a b" runs those, in that order; PRESET_STEPS=N steps each (default 5); PRESET_TIMEOUT
+#   seconds per preset (900); PRESET_REUSE=1 keeps the steps a call on the same (warm) machine
+#   completed, so a 7B preset runs steps 1-2 in one call and step 3 in the next
 # check: the CUDA tests (kernels against their references, graph replay against HF, refill,
 #   phase peaks), then generation at bloom-560m and bloom-7b1 B16: HF, HF static cache, ours
 # step3modes: step 3 at bloom-560m in every one-GPU mode (hybrid off, ours fast, checkpointed,
@@ -231,7 +233,8 @@ elif [ "$what" = largestbf16 ]; then
     fi
   done
 elif [ "$what" = presets ]; then
-  python3 benchmarks/presets_run.py --deployment-type single_gpu --steps ${PRESET_STEPS:-5} --timeout 900 ${PRESETS:+--presets $PRESETS} \
+  python3 benchmarks/presets_run.py --deployment-type single_gpu --steps ${PRESET_STEPS:-5} --timeout ${PRESET_TIMEOUT:-900} \
+    ${PRESETS:+--presets $PRESETS} ${PRESET_REUSE:+--reuse} \
     --workdir "${PRESETS_WORKDIR:-/tmp/dschat_presets}" --out "$out/presets.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = decode ]; then
   python3 benchmarks/attn_bench.py --out "$out" 2>&1 | grep --line-buffered -v -i warn

@@ -12,9 +12,17 @@ Each preset runs `applications/e2e_rlhf.py --actor-model P --random-init --step 
 keeps the most rows); a preset that fails gets its error line and log folder in the table,
 the tail of its failing step's log on stdout, and the next one runs. The saved weights of
 a finished preset are deleted (--keep-models keeps them): three 7B presets write ~90 GB.
+
+--reuse keeps what an earlier run left in --workdir: a step already complete there (its saved
+model) is not rerun, and the models stay, so a preset too slow for one sitting runs in two
+(a run stopped in step 3 keeps steps 1 and 2; the second run starts at step 3):
+
+    python benchmarks/presets_run.py --presets llama-2-7b --steps 2 --reuse     # twice
 """
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="Append the table (markdown) to this file.")
     p.add_argument("--keep-models", action="store_true",
                    help="Keep each preset's saved model folders (default: deleted once its row is read).")
+    p.add_argument("--reuse", action="store_true",
+                   help="Skip the steps an earlier run completed in --workdir (their rows come from its metrics) "
+                        "and keep the saved models for the next run (implies --keep-models).")
     return p.parse_args(argv)
 
 
@@ -95,20 +106,25 @@ def run_preset(name: str, args) -> dict:
     step_args = f"--max_steps {args.steps}"
     cmd = [sys.executable, str(REPO / "applications" / "e2e_rlhf.py"), "--actor-model", name,
            "--deployment-type", args.deployment_type, "--output-dir", str(out), "--data-path", args.data_path,
-           "--step", "1", "2", "3", "--force", "--no-report",
+           "--step", "1", "2", "3", "--no-report", *([] if args.reuse else ["--force"]),
            f"--step1-args={step_args}", f"--step2-args={step_args}", f"--step3-args=--max_steps {rounds}"]
     if name != "demo":
         cmd.append("--random-init")
     t0 = time.time()
+    # its own process group: a timeout stops the launcher's rank processes too, not only
+    # e2e_rlhf.py (else they hold the GPU through the next preset)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        rc, tail = proc.returncode, (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+        stdout, stderr = proc.communicate(timeout=args.timeout)
+        rc, tail = proc.returncode, (stderr or stdout).strip().splitlines()[-1:] or [""]
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         rc, tail = -1, [f"timed out after {args.timeout} s"]
     if rc != 0:
         print(f"--- {name} failed; end of its last step log:\n{failing_log_tail(out)}", flush=True)
     summary = {s: step_summary(out / f"step{s}") for s in (1, 2, 3)}
-    if not args.keep_models:
+    if not (args.keep_models or args.reuse):
         drop_saved_models(out)
     return {"preset": name, "rc": rc, "error": "" if rc == 0 else tail[0][:200], "wall_s": time.time() - t0,
             "estimate_gb": row.get("estimate_gb", {}),

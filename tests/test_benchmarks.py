@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -239,3 +240,33 @@ def test_lora_merge_memory_runs_both_merges(tmp_path):
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "| all deltas first |" in out and "| ours |" in out and "ours / all deltas first" in out
     assert "final_save_host_bytes' estimate" in out
+
+
+def test_presets_run_reuse_keeps_completed_steps_and_a_timeout_stops_every_process(tmp_path):
+    """--reuse: a second run skips the steps the first completed (their saved models untouched)
+    and still reports them. --timeout stops the preset's whole process tree, the launcher's
+    ranks included."""
+    work, out = tmp_path / "work", tmp_path / "presets.md"
+    args = ["--presets", "demo", "--deployment-type", "cpu", "--steps", "1", "--workdir", work, "--reuse"]
+    run_python(REPO / "benchmarks" / "presets_run.py", args, timeout=600)
+    model = work / "demo" / "step1" / "model.safetensors"
+    written = model.stat().st_mtime_ns
+    run_python(REPO / "benchmarks" / "presets_run.py", args + ["--out", out], timeout=600)
+    assert model.stat().st_mtime_ns == written                       # step 1 was not rerun
+    row = next(line for line in out.read_text().splitlines() if line.startswith("| demo |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[-1] == "ok" and all(c != "-" for c in cells[2:5]), row
+
+    slow = tmp_path / "slow"
+    proc = run_python(REPO / "benchmarks" / "presets_run.py",
+                      ["--presets", "demo", "--deployment-type", "cpu", "--steps", "1", "--workdir", slow,
+                       "--timeout", "20"], timeout=300, check=False)
+    assert proc.returncode == 1 and "timed out after 20 s" in proc.stdout, proc.stdout[-2000:]
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(slow) in cmdline.read_bytes().decode(errors="replace"):
+                left.append(cmdline.parent.name)
+        except OSError:
+            pass
+    assert not left, f"processes of the timed-out preset still running: {left}"
