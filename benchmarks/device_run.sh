@@ -35,8 +35,9 @@
 # profile: bloom-560m step 3 with bf16 optimizer state, checkpointed and scored in training
 #   (or $PROFILE_MODE), step 4 profiled: per phase, wall time against the time of the kernels it
 #   launched (trace_phases.py); AND_PROFILE=1 runs it after limit
-# zero2: tests/test_phases.py's CUDA tests, then bloom-560m step 3 (bf16 optimizer state, scored in training, checkpointed) with actor and
-#   critic at ZeRO-2 against ZeRO-3, and ZeRO-2 with every other block checkpointed
+# zero2: tests/test_phases.py's CUDA tests, then bloom-560m step 3 (bf16 optimizer state, scored
+#   in training, checkpointed) with actor and critic at ZeRO-2 against ZeRO-3, and ZeRO-2 with
+#   every other block checkpointed
 # alloc: the CUDA tests of tests/test_phases.py, then bloom-560m step 3 (bf16 optimizer state,
 #   checkpointed, scored in training) with the caching allocator's expandable segments and without
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with

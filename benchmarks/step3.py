@@ -38,6 +38,7 @@ REFERENCE_OFFLOADED = ["--offload_reference_model"]
 LORA = ["--actor_lora_dim", "128", "--only_optimize_lora"]
 BF16_OPTIMIZER = ["--optimizer_dtype", "bf16"]
 HALF = ["--checkpoint_every_n_layers", "2"]
+SCORED = ["--score_in_training_forward"]     # old log-probs and values from the training forwards
 ZERO2 = ["--actor_zero_stage", "2", "--critic_zero_stage", "2"]     # after the default stage 3
 TWO_MICRO = ["--per_device_training_batch_size", "8", "--gradient_accumulation_steps", "2"]   # after --batch 16
 
@@ -55,7 +56,7 @@ MODES = {
     "ours fast, eager attention": HYBRID + ["--attn_implementation", "eager"],
     "hybrid off, eager attention": ["--attn_implementation", "eager"],
     # old log-probs and values from the training forwards: no actor or critic scoring pass
-    "ours fast, scored in training": HYBRID + ["--score_in_training_forward"],
+    "ours fast, scored in training": HYBRID + SCORED,
     # activation checkpointing of both trained models: peak memory against recomputation
     "ours fast, checkpointed": HYBRID + CHECKPOINTED,
     # torch's multi-tensor AdamW (its GPU default) in place of the fused one
@@ -93,25 +94,25 @@ MODES = {
     "ours fast, bf16 optimizer, checkpointed, reference offloaded":
         HYBRID + BF16_OPTIMIZER + CHECKPOINTED + REFERENCE_OFFLOADED,
     # with the old log-probs and values taken from the training forwards (no actor or critic scoring pass)
-    "ours fast, bf16 optimizer, scored in training": HYBRID + BF16_OPTIMIZER + ["--score_in_training_forward"],
+    "ours fast, bf16 optimizer, scored in training": HYBRID + BF16_OPTIMIZER + SCORED,
     "ours fast, bf16 optimizer, checkpointed, scored in training":
-        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + ["--score_in_training_forward"],
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + SCORED,
     # every other transformer block recomputed (--checkpoint_every_n_layers 2): half the recomputation
     "ours fast, bf16 optimizer, half checkpointed": HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF,
     "ours fast, bf16 optimizer, half checkpointed, scored in training":
-        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + ["--score_in_training_forward"],
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + SCORED,
     # the same with actor and critic at ZeRO-2: no parameter gather or release hooks around each
     # block (on one GPU ZeRO-3 partitions nothing; the frozen models are unpartitioned either way)
     "ours fast, bf16 optimizer, checkpointed, scored in training, ZeRO-2":
-        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + ["--score_in_training_forward"] + ZERO2,
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + SCORED + ZERO2,
     "ours fast, bf16 optimizer, half checkpointed, scored in training, ZeRO-2":
-        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + ["--score_in_training_forward"] + ZERO2,
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + SCORED + ZERO2,
     # the step's phase timer synchronizing the GPU at every phase boundary (its earlier form)
     "ours fast, bf16 optimizer, checkpointed, phases synchronized": HYBRID + BF16_OPTIMIZER + CHECKPOINTED,
     # the caching allocator mapping memory into growable segments (PYTORCH_CUDA_ALLOC_CONF):
     # no fragmentation flushes where the live tensors change shape every phase
     "ours fast, bf16 optimizer, checkpointed, scored in training, expandable segments":
-        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + ["--score_in_training_forward"],
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + SCORED,
     "hybrid off, bf16 optimizer, checkpointed": BF16_OPTIMIZER + CHECKPOINTED,
     "hybrid off, bf16 optimizer, checkpointed, reference offloaded":
         BF16_OPTIMIZER + CHECKPOINTED + REFERENCE_OFFLOADED,
