@@ -242,6 +242,26 @@ def test_lora_merge_memory_runs_both_merges(tmp_path):
     assert "final_save_host_bytes' estimate" in out
 
 
+def test_zero_step_ops_counts_the_per_gradient_test():
+    """benchmarks/zero_step_ops.py at 4 blocks: DeepSpeed's per-gradient NaN/inf test is most
+    of ZeRO-2's step (7 ops per trained tensor); without it the step dispatches about what
+    ZeRO-3's does."""
+    out = run_python(REPO / "benchmarks" / "zero_step_ops.py", ["--layers", "4", "--width", "32"]).stdout
+    rows = {line.split(" | ")[0].strip("| "): [float(x) for x in line.strip(" |").split(" | ")[1:]]
+            for line in out.splitlines() if line.startswith("| ZeRO")}
+    zero3, default, ours = (rows[name] for name, _, _ in _zero_step_configs())
+    tensors = ours[0]
+    assert default[1] - ours[1] >= 6 * tensors, rows     # the test's ops, one set per gradient
+    assert ours[1] < 1.2 * zero3[1], rows
+
+
+def _zero_step_configs():
+    spec = importlib.util.spec_from_file_location("zero_step_ops", REPO / "benchmarks" / "zero_step_ops.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.CONFIGS
+
+
 def test_presets_run_reuse_keeps_completed_steps_and_a_timeout_stops_every_process(tmp_path):
     """--reuse: a second run skips the steps the first completed (their saved models untouched)
     and still reports them. --timeout stops the preset's whole process tree, the launcher's

@@ -6,7 +6,8 @@ For fp32 and bf16 optimizer state, the same tiny Bloom trains 6 steps on the sam
 (bf16 weights, ZeRO `--stage`); each rank writes PATH.rank<k>.json with what DeepSpeed holds
 (the master weights' dtype, whether they are the bf16 partition itself, the moments' dtype,
 optimizer bytes per trained element), the losses, and a checkpoint round trip: the master
-weights and moments after `load_checkpoint` in a fresh engine against those saved.
+weights and moments after `load_checkpoint` in a fresh engine against those saved, and how
+many gradients the last step tested for NaN/inf one at a time.
 """
 from __future__ import annotations
 
@@ -103,7 +104,12 @@ def main():
         ckpt = Path(tempfile.gettempdir()) / f"bf16_opt_ckpt_{args.stage}_{optimizer_dtype}"
         engine.save_checkpoint(str(ckpt), tag="t")
         r["saved"] = fingerprint(zero)
-        losses += [step(engine, ids) for ids in data[3:]]
+        losses += [step(engine, ids) for ids in data[3:-1]]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            losses.append(step(engine, data[-1]))
+        # DeepSpeed's ZeRO-1/2 NaN/inf test reduces each gradient with amax and amin
+        r["per_gradient_overflow_tests"] = sum(e.name == "aten::amin" for e in prof.events())
+        r["gradients"] = sum(p.requires_grad for p in engine.module.parameters())
         r["losses"] = losses
         fresh = build(args.stage, optimizer_dtype)
         fresh.load_checkpoint(str(ckpt), tag="t")

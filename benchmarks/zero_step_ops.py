@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Host work of one ZeRO optimizer step at world size 1: the ops it dispatches and its CPU
+seconds, ZeRO-3 against ZeRO-2 with and without DeepSpeed's per-gradient NaN/inf test.
+
+    python benchmarks/zero_step_ops.py                 # a 24-block Bloom, bf16, bf16 optimizer state
+
+On a GPU every dispatched op is a kernel launch: a step bound by the host (benchmarks/
+RESULTS.md, table 11) costs about what it dispatches. Each configuration runs in its own
+process (one DeepSpeed engine per process, world size 1 over gloo); the count is of
+top-level `aten::` ops inside `engine.step()`, the seconds the median of steps 3..6.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+CONFIGS = (("ZeRO-3", 3, True), ("ZeRO-2, per-gradient NaN/inf test (DeepSpeed's default)", 2, True),
+           ("ZeRO-2, no per-gradient test (ours)", 2, False))
+
+
+def one(stage: int, check: bool, layers: int, width: int, optimizer_dtype: str) -> dict:
+    import deepspeed
+    import torch
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from dschat.engine.config import train_ds_config
+    from dschat.engine.optim import build_optimizer
+    from dschat.engine.zero import initialize_engine
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    config = train_ds_config(zero_stage=stage, dtype="bf16", micro_batch_size=2, optimizer_dtype=optimizer_dtype)
+    config["bf16"]["check_grad_overflow"] = check
+    cfg = BloomConfig(n_layer=layers, hidden_size=width, n_head=4, vocab_size=512)
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = BloomForCausalLM(cfg)
+    else:
+        model = BloomForCausalLM(cfg)
+    model = model.to(torch.bfloat16)
+    optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, lora_lr=1e-4, offload=False,
+                                optimizer_dtype=optimizer_dtype)
+    engine = initialize_engine(model, config, optimizer=optimizer)
+    ids = torch.randint(0, 512, (2, 64))
+    seconds, ops = [], 0
+    for i in range(6):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            engine.step()
+            took = time.perf_counter() - start
+        if i >= 2:
+            seconds.append(took)
+            ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+    return {"gradients": sum(p.requires_grad for p in model.parameters()), "step_ops": ops,
+            "step_ms": 1000 * sorted(seconds)[len(seconds) // 2]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--optimizer_dtype", default="bf16", choices=("fp32", "bf16"))
+    p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)   # STAGE CHECK: run one configuration here
+    args = p.parse_args()
+    if args.one:
+        stage, check = int(args.one[0]), args.one[1] == "1"
+        print(json.dumps(one(stage, check, args.layers, args.width, args.optimizer_dtype)))
+        return
+    rows = []
+    for name, stage, check in CONFIGS:
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                   LOCAL_RANK="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        out = subprocess.run([sys.executable, __file__, "--one", str(stage), "1" if check else "0",
+                              "--layers", str(args.layers), "--width", str(args.width),
+                              "--optimizer_dtype", args.optimizer_dtype],
+                             env=env, capture_output=True, text=True, check=True).stdout
+        rows.append((name, json.loads(out.strip().splitlines()[-1])))
+    print(f"one ZeRO optimizer step, world size 1, Bloom {args.layers} blocks x {args.width}, bf16, "
+          f"{args.optimizer_dtype} optimizer state\n")
+    print("| configuration | trained tensors | ops dispatched in the step | CPU ms |\n|---|---|---|---|")
+    for name, r in rows:
+        print(f"| {name} | {r['gradients']} | {r['step_ops']} | {r['step_ms']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
