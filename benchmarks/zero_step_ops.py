@@ -18,6 +18,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))       # this checkout's dschat, in this process and its children
 
 CONFIGS = (("ZeRO-3", 3, True), ("ZeRO-2, per-gradient NaN/inf test (DeepSpeed's default)", 2, True),
            ("ZeRO-2, no per-gradient test (ours)", 2, False))
@@ -77,7 +81,8 @@ def main():
             free.bind(("127.0.0.1", 0))
             port = free.getsockname()[1]
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                   LOCAL_RANK="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                   LOCAL_RANK="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
         out = subprocess.run([sys.executable, __file__, "--one", str(stage), "1" if check else "0",
                               "--layers", str(args.layers), "--width", str(args.width),
                               "--optimizer_dtype", args.optimizer_dtype],

@@ -255,6 +255,15 @@ def test_zero_step_ops_counts_the_per_gradient_test():
     assert ours[1] < 1.2 * zero3[1], rows
 
 
+def test_load_weights_compares_both_loads_of_the_same_weights(tmp_path):
+    """benchmarks/load_weights.py at a tiny LLaMA: each case loads the same weights both ways,
+    each in its own process."""
+    out = run_python(REPO / "benchmarks" / "load_weights.py",
+                     ["--model", REPO / "configs/tiny/llama.json", "--workdir", tmp_path]).stdout
+    rows = [line for line in out.splitlines() if line.startswith(("| causal LM", "| reward model"))]
+    assert len(rows) == 3 and all(row.endswith("| yes |") for row in rows), out
+
+
 def _zero_step_configs():
     spec = importlib.util.spec_from_file_location("zero_step_ops", REPO / "benchmarks" / "zero_step_ops.py")
     mod = importlib.util.module_from_spec(spec)

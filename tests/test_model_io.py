@@ -21,6 +21,23 @@ def tokenizer():
 
 
 @pytest.mark.parametrize("name", ["bloom", "opt", "llama", "gpt2"])
+def test_saved_weights_load_in_the_training_dtype(tmp_path, tokenizer, name):
+    """A folder loads in the engine config's dtype: exactly the fp32 load cast to it, which is
+    what DeepSpeed would have made of the fp32 load; without a config, fp32."""
+    from dschat.engine.config import train_ds_config
+    save_hf_format(create_hf_model(str(CONFIGS / f"{name}.json"), tokenizer, seed=7), tokenizer, tmp_path)
+    fp32 = create_hf_model(str(tmp_path), tokenizer)
+    for dtype in ("bf16", "fp16"):
+        got = create_hf_model(str(tmp_path), tokenizer,
+                              ds_config=train_ds_config(zero_stage=2, dtype=dtype, micro_batch_size=1))
+        want = dict(fp32.named_parameters())
+        for n, p in got.named_parameters():
+            assert p.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype], n
+            assert torch.equal(p, want[n].to(p.dtype)), n
+    assert {p.dtype for p in fp32.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("name", ["bloom", "opt", "llama", "gpt2"])
 @pytest.mark.parametrize("lora", [0, 4])
 def test_save_roundtrip(tmp_path, tokenizer, name, lora):
     model = create_hf_model(str(CONFIGS / f"{name}.json"), tokenizer, seed=7)

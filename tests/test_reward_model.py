@@ -88,6 +88,35 @@ def test_save_load_roundtrip_and_dschat_format(tmp_path, tokenizer, family, lora
         torch.testing.assert_close(loaded.forward_value(ids, mask)["chosen_end_scores"], want)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_load_takes_the_files_tensors_in_the_training_dtype(tmp_path, tokenizer, family):
+    """Every parameter and buffer equals the earlier load's (a random fp32 init, then the file
+    copied in; the reference below), cast to the config's dtype where DeepSpeed would cast it;
+    all trainable, none left without storage."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    from dschat.engine.config import train_ds_config
+    from dschat.models.model_utils import load_config
+    from dschat.models.reward_model import RewardModel
+    model = create_reward_model(str(CONFIGS / f"{family}.json"), tokenizer, seed=6)
+    torch.nn.init.normal_(model.v_head.weight, std=0.5)
+    save_reward_model(model, tokenizer, tmp_path)
+    ref = RewardModel(AutoModel.from_config(load_config(str(tmp_path)), dtype=torch.float32),
+                      pad_token_id=tokenizer.pad_token_id, num_padding_at_beginning=model.num_padding_at_beginning)
+    ref.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=False)
+    for dtype, cfg in ((torch.float32, None), (torch.bfloat16, train_ds_config(zero_stage=2, dtype="bf16",
+                                                                                micro_batch_size=1))):
+        got = load_reward_model(tmp_path, tokenizer, ds_config=cfg)
+        want = dict(ref.named_parameters())
+        assert set(dict(got.named_parameters())) == set(want)
+        for name, p in got.named_parameters():
+            assert p.dtype == dtype and p.requires_grad and not p.is_meta, name
+            assert torch.equal(p, want[name].to(dtype)), name
+        for name, b in ref.named_buffers():
+            assert torch.equal(dict(got.named_buffers())[name], b), name
+
+
 def test_causal_lm_folder_is_not_a_reward_model(tmp_path, tokenizer):
     lm = create_hf_model(str(CONFIGS / "bloom.json"), tokenizer)
     save_hf_format(lm, tokenizer, tmp_path)

@@ -114,14 +114,15 @@ def padded_vocab_size(tokenizer_len: int, current: int) -> int:
 def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | None = None,
                     dropout: float | None = None, seed: int = 1234,
                     model_class=AutoModelForCausalLM, attn_implementation: str = "sdpa") -> nn.Module:
-    """A causal LM in fp32, ready for `deepspeed.initialize`, with `attn_implementation`
-    (dschat.utils.attention: "sdpa" gives Bloom our fused attention; "eager" HF's everywhere).
+    """A causal LM ready for `deepspeed.initialize`, with `attn_implementation`
+    (dschat.utils.attention: "sdpa" gives Bloom our fused attention; "eager" HF's everywhere):
+    saved weights in `ds_config`'s training dtype (`weights_dtype`), a random init in fp32.
 
     Under ZeRO-3 (`ds_config` stage 3) weights from a folder load partitioned; random init
     from a config happens outside `zero.Init` (transformers' OPT init indexes the padding
     row of a partitioned, empty weight there) and `deepspeed.initialize` partitions it.
     """
-    from dschat.engine.config import hf_zero3_loading
+    from dschat.engine.config import hf_zero3_loading, weights_dtype
 
     config = load_config(model_name_or_path)
     apply_dropout(config, dropout)
@@ -143,7 +144,8 @@ def create_hf_model(model_name_or_path: str, tokenizer, *, ds_config: dict | Non
         try:
             with hf_zero3_loading(ds_config):
                 model, info = model_class.from_pretrained(model_name_or_path, config=config,
-                                                          dtype=torch.float32, output_loading_info=True, **attn)
+                                                          dtype=weights_dtype(ds_config),
+                                                          output_loading_info=True, **attn)
         except (OSError, ValueError, EOFError, SafetensorError) as e:
             # a truncated safetensors file raises SafetensorError ("invalid header length")
             raise UserInputError(f"cannot load weights from {model_name_or_path!r}: "

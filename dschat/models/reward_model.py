@@ -124,7 +124,7 @@ def create_reward_model(model_name_or_path: str, tokenizer, *, ds_config: dict |
     """
     if is_reward_checkpoint(model_name_or_path):
         return load_reward_model(model_name_or_path, tokenizer, dropout=dropout,
-                                 attn_implementation=attn_implementation)
+                                 attn_implementation=attn_implementation, ds_config=ds_config)
     backbone = create_hf_model(model_name_or_path, tokenizer, ds_config=ds_config, dropout=dropout,
                                seed=seed, model_class=AutoModel, attn_implementation=attn_implementation)
     fam = family_of(backbone)
@@ -164,12 +164,20 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_reward_model(path: str | Path, tokenizer, *, dropout: float | None = None,
-                      flag: str = "reward model path", attn_implementation: str = "sdpa") -> RewardModel:
+                      flag: str = "reward model path", attn_implementation: str = "sdpa",
+                      ds_config: dict | None = None) -> RewardModel:
     """Load a reward model folder (ours or DS-Chat's); keys must match exactly.
 
     Upstream loads critics ignoring mismatched keys, so a wrong path silently trains from
     random weights; here any missing or unexpected key is an error that lists them.
+
+    The backbone's parameters are built without storage and take the file's tensors,
+    converted to `ds_config`'s training dtype (`weights_dtype`; fp32 without a config): no
+    random init and no second copy of the weights on the host.
     """
+    from accelerate import init_empty_weights
+
+    from dschat.engine.config import weights_dtype
     folder = Path(path)
     if not folder.is_dir():
         raise UserInputError(f"{flag} {path}: no such folder")
@@ -184,7 +192,8 @@ def load_reward_model(path: str | Path, tokenizer, *, dropout: float | None = No
     config = load_config(str(folder))
     from dschat.models.model_utils import apply_dropout
     apply_dropout(config, dropout)
-    backbone = AutoModel.from_config(config, dtype=torch.float32, **hf_attn_kwargs(attn_implementation))
+    with init_empty_weights(include_buffers=False):   # buffers (e.g. rotary tables) are computed, not loaded
+        backbone = AutoModel.from_config(config, dtype=torch.float32, **hf_attn_kwargs(attn_implementation))
     use_attention(backbone, attn_implementation)
     marker = {}
     if (folder / MARKER_FILE).exists():
@@ -201,7 +210,12 @@ def load_reward_model(path: str | Path, tokenizer, *, dropout: float | None = No
             f"{flag} {path}: weights do not fit a {config.model_type} reward model; "
             f"missing keys: {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
             f"unexpected keys: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-    model.load_state_dict(state, strict=False)
+    dtype = weights_dtype(ds_config)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k in want}
+    model.load_state_dict(state, strict=False, assign=True)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:       # a key the checks above let through that the module still needs
+        raise UserInputError(f"{flag} {path}: no weights for {left[:8]}")
     return model
 
 

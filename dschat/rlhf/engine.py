@@ -145,7 +145,8 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     if uses_critic(args):  # critic: from the reward model, trained
         if uses_reward_model(args):
             critic = load_reward_model(args.critic_model_name_or_path, tokenizer, dropout=args.critic_dropout,
-                                       flag="--critic_model_name_or_path", attn_implementation=attn)
+                                       flag="--critic_model_name_or_path", attn_implementation=attn,
+                                       ds_config=critic_cfg)
         else:  # rewards from functions only: a causal LM (the SFT model) may start the critic, new value head
             critic = create_reward_model(args.critic_model_name_or_path, tokenizer, ds_config=critic_cfg,
                                          dropout=args.critic_dropout, seed=args.seed, attn_implementation=attn)
@@ -171,7 +172,7 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
                                     offloaded=args.offload_reward_model)
         reward_cfg = eval_ds_config(zero_stage=reward_stage, dtype=args.dtype, offload=args.offload_reward_model)
         reward = load_reward_model(args.critic_model_name_or_path, tokenizer, flag="--critic_model_name_or_path",
-                                   attn_implementation=attn)
+                                   attn_implementation=attn, ds_config=reward_cfg)
         reward_engine = initialize_engine(reward, reward_cfg, hooks)
         reward_engine.eval()
         print_rank_0(f"reward engine ready (ZeRO-{reward_stage})")
