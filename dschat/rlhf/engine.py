@@ -97,10 +97,11 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     hooks = args.zero3_hook_granularity
     if dist.get_world_size() == 1 and 3 in (args.actor_zero_stage, args.critic_zero_stage) and not args.offload:
         # measured at bloom-560m on one H100 (benchmarks/RESULTS.md, tables 3 and 11)
-        print_rank_0("note: ZeRO-3 on one GPU partitions nothing but still gathers, releases and hooks every "
-                     "block in training; --actor_zero_stage 2 --critic_zero_stage 2 train the same models "
-                     "faster (bloom-560m, bf16 optimizer state, checkpointed: forwards and backwards 0.15 s "
-                     "shorter per step) in about the same memory, unless parameters are offloaded")
+        print_rank_0("note: ZeRO-3 on one GPU partitions nothing: the frozen models run unpartitioned and the "
+                     "actor generates from its own shards, but training still gathers, releases and hooks every "
+                     "block; --actor_zero_stage 2 --critic_zero_stage 2 train the same models faster (bloom-560m, "
+                     "bf16 optimizer state, checkpointed: forwards and backwards 0.15 s shorter per step) in "
+                     "about the same memory, unless parameters are offloaded")
     # actor
     attn = args.attn_implementation
     actor = create_hf_model(args.actor_model_name_or_path, tokenizer, ds_config=actor_cfg,
