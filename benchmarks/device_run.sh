@@ -38,6 +38,8 @@
 # zero2: tests/test_phases.py's CUDA tests, then bloom-560m step 3 (bf16 optimizer state, scored
 #   in training, checkpointed) with actor and critic at ZeRO-2 against ZeRO-3, and ZeRO-2 with
 #   every other block checkpointed
+# load: loading saved weights for a bf16 engine in fp32 first against in bf16 (load_weights.py), at
+#   $LOAD_MODEL (llama-7b): a causal LM at ZeRO-2 and at ZeRO-3 offloaded, and a reward model
 # alloc: the CUDA tests of tests/test_phases.py, then bloom-560m step 3 (bf16 optimizer state,
 #   checkpointed, scored in training) with the caching allocator's expandable segments and without
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
@@ -168,6 +170,9 @@ elif [ "$what" = zero2 ]; then
     "ours fast, bf16 optimizer, checkpointed, scored in training, ZeRO-2" \
     "ours fast, bf16 optimizer, half checkpointed, scored in training, ZeRO-2" \
     --out "$out/step3_zero2.md" 2>&1 | grep --line-buffered -v -i warn
+elif [ "$what" = load ]; then
+  # loading bf16 files for a bf16 engine in fp32 first against in bf16, at 7B (host memory: ~60 GB)
+  python3 benchmarks/load_weights.py --model ${LOAD_MODEL:-llama-7b} 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = alloc ]; then
   # the phase timer's and allocator counters' CUDA tests, then bloom-560m's fastest mode within
   # 16 GiB with the caching allocator's expandable segments against its default segments
