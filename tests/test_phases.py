@@ -137,21 +137,23 @@ def test_allocator_metrics_count_flushes_per_call_and_keep_the_reserved_peak():
     mib = 2 ** 20
     torch.cuda.empty_cache()
     dist.allocator_metrics(device)                   # flushes before this test are not its own
-    _, total = torch.cuda.mem_get_info(device)
-    fraction = (torch.cuda.memory_reserved(device) + 300 * mib) / total
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    free, _ = torch.cuda.mem_get_info(device)
+    # the device itself full but for 300 MiB (no per-process cap: the allocator may trim its
+    # cache before it would exceed one, and then nothing is retried)
+    filler = torch.empty(free - 300 * mib, dtype=torch.uint8, device=device)
     try:
         # 160 MiB cached in the small-block pool (512 KiB tensors, freed, kept by the allocator),
-        # then 200 MiB at once: it does not fit beside that cache under the 300 MiB cap, and the
-        # large-block pool has nothing to give back, so every cached block goes back to the
-        # driver and the allocation is retried (a 200 MiB request never takes small blocks)
+        # then 200 MiB at once: the driver has about 140 MiB left and the large-block pool
+        # nothing to give back, so every cached block goes back to the driver and the
+        # allocation is retried (a 200 MiB request never takes small blocks)
         small = [torch.empty(512 * 1024, dtype=torch.uint8, device=device) for _ in range(320)]
         del small
         big = torch.empty(200 * mib, dtype=torch.uint8, device=device)
         m = dist.allocator_metrics(device)
         stats = torch.cuda.memory_stats(device)
         assert m["memory/allocator_flushes"] >= 1, (   # what the allocator did instead
-            torch.cuda.get_allocator_backend(), os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), fraction,
+            torch.cuda.get_allocator_backend(), os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            torch.cuda.mem_get_info(device),
             {k: v for k, v in stats.items() if k.startswith(("num_", "segment.all", "reserved_bytes.all"))})
         assert m["memory/reserved_peak_gib"] * 2 ** 30 >= torch.cuda.memory_allocated(device)
         dist.reset_peak_memory(device)
@@ -161,4 +163,5 @@ def test_allocator_metrics_count_flushes_per_call_and_keep_the_reserved_peak():
         assert after["memory/allocator_flushes"] == 0
         assert after["memory/reserved_peak_gib"] >= m["memory/reserved_peak_gib"]
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        del filler
+        torch.cuda.empty_cache()
