@@ -54,12 +54,12 @@ import os
 import random
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.processes import free_port
 from benchmarks.tables import emit_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,16 +204,10 @@ def write_data(folder: Path, rows: list[dict], eval_rows: list[dict]) -> Path:
 
 
 # ----------------------------------------------------------------------------- runs
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(script: Path, script_args: list, out: Path, timeout: int) -> bool:
     """`deepspeed --num_gpus 1 script args` (the launcher module of this Python), output to
     out/log.txt; True when it exited 0."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port),
            str(script), *[str(a) for a in script_args]]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

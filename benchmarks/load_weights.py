@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +25,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))       # this checkout's dschat, in this process and its children
+sys.path.insert(0, str(REPO))       # this checkout's dschat and benchmarks
+from benchmarks.processes import run_single_rank  # noqa: E402
 
 CASES = (("causal LM, ZeRO-2", "lm", 2), ("causal LM, ZeRO-3, parameters offloaded", "lm", 3),
          ("reward model, ZeRO-2", "reward", 2))
@@ -78,7 +76,7 @@ def load_once(kind: str, stage: int, ours: bool, folder: Path) -> dict:
     touched = sum(float(p.detach().reshape(-1)[::1024].float().sum()) for p in model.parameters())
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
-            "dtype": str(next(model.parameters()).dtype), "checksum": touched}
+            "checksum": touched}
 
 
 def write_folders(shape: str, workdir: Path) -> tuple[Path, Path]:
@@ -112,19 +110,9 @@ def main():
     lm, reward = write_folders(args.model, Path(args.workdir))
     rows = []
     for name, kind, stage in CASES:
-        got = {}
-        for ours in (False, True):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                       LOCAL_RANK="0",
-                       PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-            out = subprocess.run([sys.executable, __file__, "--one", kind, str(stage), "1" if ours else "0",
-                                  str(lm if kind == "lm" else reward)],
-                                 env=env, capture_output=True, text=True, check=True).stdout
-            got[ours] = json.loads(out.strip().splitlines()[-1])
-        rows.append((name, got[False], got[True]))
+        old, new = (run_single_rank(__file__, ["--one", kind, stage, "1" if ours else "0",
+                                               lm if kind == "lm" else reward]) for ours in (False, True))
+        rows.append((name, old, new))
     print(f"loading {args.model} (bf16 files) for a bf16 engine, one process per load, world size 1\n")
     print("| load | fp32 first: s | peak RSS GiB | training dtype (ours): s | peak RSS GiB | speed-up | same weights |")
     print("|---|---|---|---|---|---|---|")

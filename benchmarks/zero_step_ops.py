@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))       # this checkout's dschat, in this process and its children
+sys.path.insert(0, str(REPO))       # this checkout's dschat and benchmarks
+from benchmarks.processes import run_single_rank  # noqa: E402
 
 CONFIGS = (("ZeRO-3", 3, True), ("ZeRO-2, per-gradient NaN/inf test (DeepSpeed's default)", 2, True),
            ("ZeRO-2, no per-gradient test (ours)", 2, False))
@@ -75,19 +74,10 @@ def main():
         stage, check = int(args.one[0]), args.one[1] == "1"
         print(json.dumps(one(stage, check, args.layers, args.width, args.optimizer_dtype)))
         return
-    rows = []
-    for name, stage, check in CONFIGS:
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                   LOCAL_RANK="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        out = subprocess.run([sys.executable, __file__, "--one", str(stage), "1" if check else "0",
-                              "--layers", str(args.layers), "--width", str(args.width),
-                              "--optimizer_dtype", args.optimizer_dtype],
-                             env=env, capture_output=True, text=True, check=True).stdout
-        rows.append((name, json.loads(out.strip().splitlines()[-1])))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")      # the children's host time, one thread each
+    rows = [(name, run_single_rank(__file__, ["--one", stage, "1" if check else "0", "--layers", args.layers,
+                                              "--width", args.width, "--optimizer_dtype", args.optimizer_dtype]))
+            for name, stage, check in CONFIGS]
     print(f"one ZeRO optimizer step, world size 1, Bloom {args.layers} blocks x {args.width}, bf16, "
           f"{args.optimizer_dtype} optimizer state\n")
     print("| configuration | trained tensors | ops dispatched in the step | CPU ms |\n|---|---|---|---|")
