@@ -23,18 +23,7 @@ from dschat.rlhf.estimators import (
     rloo_advantages,
 )
 from dschat.rlhf.ppo_math import actor_loss, compute_kl_rewards, masked_mean, masked_whiten
-
-LN = math.log
-MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
-
-
-def t(rows):
-    return torch.tensor(rows, dtype=torch.float32)
-
-
-def close(actual, expected, atol=1e-6):
-    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
-
+from tests.hand_values import LN, MASK, close, t
 
 # ------------------------------------------------------------------------ group advantages
 

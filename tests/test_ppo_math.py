@@ -3,7 +3,6 @@
 Layout reminder (dschat.rlhf.ppo_math): per-token tensors are [B, A], entry a belongs to
 answer token seq[:, P + a]; B=2, A=3 examples below have the second row's last token masked.
 """
-import math
 
 import pytest
 import torch
@@ -26,18 +25,7 @@ from dschat.rlhf.ppo_math import (
     masked_sum_count,
     masked_whiten,
 )
-
-LN = math.log
-MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
-
-
-def t(rows):
-    return torch.tensor(rows, dtype=torch.float32)
-
-
-def close(actual, expected, atol=1e-6):
-    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
-
+from tests.hand_values import LN, MASK, close, t
 
 # ------------------------------------------------------------------------ logits
 
