@@ -23,7 +23,7 @@
 #   reference's weights on the host)
 # big7b: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps: full fine-tuning, both
 #   trained models checkpointed, $OFFLOAD_RATIO (0.25) of the optimizer on the host (pinned); LoRA
-#   checkpointed; hybrid off (3 steps)
+#   checkpointed (left out with BIG7B_LORA=0); hybrid off (3 steps)
 # big7blow: the same full fine-tuning at 0.15 with the reference's weights on the host
 # step3offload1: the replica A/B, then bloom-7b1 at one ratio ($OFFLOAD_RATIO, 0.25) beside hybrid off
 # rate: the bf16 matmul rate at step 3's training shapes (bloom-560m, bloom-1b7) and the step's limit
@@ -37,7 +37,7 @@
 #   launched (trace_phases.py); AND_PROFILE=1 runs it after limit
 # zero2: tests/test_phases.py's CUDA tests, then bloom-560m step 3 (bf16 optimizer state, scored
 #   in training, checkpointed) with actor and critic at ZeRO-2 against ZeRO-3, and ZeRO-2 with
-#   every other block checkpointed
+#   every other block checkpointed, and ZeRO-3 with the allocator's cache emptied before training
 # load: loading saved weights for a bf16 engine in fp32 first against in bf16 (load_weights.py), at
 #   $LOAD_MODEL (llama-7b): a causal LM at ZeRO-2 and at ZeRO-3 offloaded, and a reward model
 # alloc: the CUDA tests of tests/test_phases.py, then bloom-560m step 3 (bf16 optimizer state,
@@ -107,9 +107,11 @@ elif [ "$what" = step3offload ]; then
       --out "$out/step3_offload.md" 2>&1 | grep --line-buffered -v -i warn
   done
 elif [ "$what" = big7b ]; then
+  modes=("ours fast, optimizer offloaded, checkpointed, pinned" "ours fast, LoRA, checkpointed"
+         "hybrid off, optimizer offloaded, checkpointed")
+  [ "${BIG7B_LORA:-1}" = 0 ] && modes=("${modes[0]}" "${modes[2]}")
   python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 20 --warmup 3 \
-    --hybrid_off_steps 3 --offload_ratio ${OFFLOAD_RATIO:-0.25} --modes "ours fast, optimizer offloaded, checkpointed, pinned" \
-    "ours fast, LoRA, checkpointed" "hybrid off, optimizer offloaded, checkpointed" \
+    --hybrid_off_steps 3 --offload_ratio ${OFFLOAD_RATIO:-0.25} --modes "${modes[@]}" \
     --out "$out/step3_7b1.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = big7blow ]; then
   python3 benchmarks/step3.py --preset bloom-7b1 --critic_preset bloom-560m --batch 8 --steps 20 --warmup 3 \
@@ -169,6 +171,7 @@ elif [ "$what" = zero2 ]; then
     --modes "ours fast, bf16 optimizer, checkpointed, scored in training" \
     "ours fast, bf16 optimizer, checkpointed, scored in training, ZeRO-2" \
     "ours fast, bf16 optimizer, half checkpointed, scored in training, ZeRO-2" \
+    "ours fast, bf16 optimizer, checkpointed, scored in training, cache emptied before training" \
     --out "$out/step3_zero2.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = load ]; then
   # loading bf16 files for a bf16 engine in fp32 first against in bf16, at 7B (host memory: ~60 GB)

@@ -59,6 +59,7 @@ MODES = {
     "ours fast, scored in training": HYBRID + SCORED,
     # activation checkpointing of both trained models: peak memory against recomputation
     "ours fast, checkpointed": HYBRID + CHECKPOINTED,
+    "hybrid off, checkpointed": CHECKPOINTED,
     # torch's multi-tensor AdamW (its GPU default) in place of the fused one
     "ours fast, foreach Adam": HYBRID + ["--adam_kernel", "foreach"],
     "ours fast, checkpointed, foreach Adam": HYBRID + CHECKPOINTED + ["--adam_kernel", "foreach"],
@@ -113,6 +114,9 @@ MODES = {
     # no fragmentation flushes where the live tensors change shape every phase
     "ours fast, bf16 optimizer, checkpointed, scored in training, expandable segments":
         HYBRID + BF16_OPTIMIZER + CHECKPOINTED + SCORED,
+    # the allocator's cached free blocks returned to the GPU between the rollout and training
+    "ours fast, bf16 optimizer, checkpointed, scored in training, cache emptied before training":
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + SCORED,
     "hybrid off, bf16 optimizer, checkpointed": BF16_OPTIMIZER + CHECKPOINTED,
     "hybrid off, bf16 optimizer, checkpointed, reference offloaded":
         BF16_OPTIMIZER + CHECKPOINTED + REFERENCE_OFFLOADED,
@@ -125,6 +129,8 @@ OFFLOADED = tuple(m for m in MODES if "optimizer offloaded" in m)
 MODE_ENV = {"ours fast, full-width LM head": {"DSCHAT_FULL_LOGITS": "1"},
             "ours fast, bf16 optimizer, checkpointed, phases synchronized": {"DSCHAT_PHASE_SYNC": "1"},
             "ours fast, replica copied": {"DSCHAT_COPY_REPLICA": "1"},
+            "ours fast, bf16 optimizer, checkpointed, scored in training, cache emptied before training":
+                {"DSCHAT_EMPTY_CACHE": "1"},
             "ours fast, bf16 optimizer, checkpointed, scored in training, expandable segments":
                 {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 

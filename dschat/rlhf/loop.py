@@ -110,6 +110,10 @@ def ppo_round(trainer, buffer, unsup_buffer, args) -> dict:
     A ptx batch has as many rows as a generation batch and is cut like it (upstream's
     MiniDataset): each PPO micro-batch trains with its own ptx micro-batch, so every ptx
     row is trained once per PPO epoch."""
+    if os.environ.get("DSCHAT_EMPTY_CACHE") == "1" and torch.cuda.is_available():
+        # a benchmark switch (benchmarks/step3.py): the caching allocator's free blocks left by
+        # generation and scoring returned before training, against the allocator's reserved peak
+        torch.cuda.empty_cache()
     stats = []
     for _ in range(args.ppo_epochs):
         for exp_i, unsup in zip(buffer, unsup_buffer or [None] * len(buffer)):
