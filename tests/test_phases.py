@@ -130,38 +130,37 @@ def test_allocator_metrics_are_cuda_only():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_allocator_metrics_count_flushes_per_call_and_keep_the_reserved_peak():
-    """A request that fits only after the cached blocks go back to the driver is one flush;
-    the next call reports only flushes after it. The reserved peak outlives the phases'
-    counter restarts, like the allocated one."""
+    """A request that finds no cached block and no driver memory returns every cached block
+    to the driver and is retried: one flush; the next call reports only flushes after it.
+    The reserved peak outlives the phases' counter restarts, like the allocated one."""
     device = torch.device("cuda", torch.cuda.current_device())
     mib = 2 ** 20
-    torch.cuda.empty_cache()
     dist.allocator_metrics(device)                   # flushes before this test are not its own
-    free, _ = torch.cuda.mem_get_info(device)
-    # the device itself full but for 300 MiB (no per-process cap: the allocator may trim its
-    # cache before it would exceed one, and then nothing is retried)
-    filler = torch.empty(free - 300 * mib, dtype=torch.uint8, device=device)
-    try:
-        # 160 MiB cached in the small-block pool (512 KiB tensors, freed, kept by the allocator),
-        # then 200 MiB at once: the driver has about 140 MiB left and the large-block pool
-        # nothing to give back, so every cached block goes back to the driver and the
-        # allocation is retried (a 200 MiB request never takes small blocks)
-        small = [torch.empty(512 * 1024, dtype=torch.uint8, device=device) for _ in range(320)]
-        del small
-        big = torch.empty(200 * mib, dtype=torch.uint8, device=device)
-        m = dist.allocator_metrics(device)
-        stats = torch.cuda.memory_stats(device)
-        assert m["memory/allocator_flushes"] >= 1, (   # what the allocator did instead
-            torch.cuda.get_allocator_backend(), os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-            torch.cuda.mem_get_info(device),
-            {k: v for k, v in stats.items() if k.startswith(("num_", "segment.all", "reserved_bytes.all"))})
-        assert m["memory/reserved_peak_gib"] * 2 ** 30 >= torch.cuda.memory_allocated(device)
-        dist.reset_peak_memory(device)
-        del big
-        torch.cuda.empty_cache()
-        after = dist.allocator_metrics(device)
-        assert after["memory/allocator_flushes"] == 0
-        assert after["memory/reserved_peak_gib"] >= m["memory/reserved_peak_gib"]
-    finally:
-        del filler
-        torch.cuda.empty_cache()
+    # cached blocks to flush: 64 MiB in the large pool and 16 MiB in the small one, freed
+    kept = [torch.empty(64 * mib, dtype=torch.uint8, device=device),
+            *[torch.empty(512 * 1024, dtype=torch.uint8, device=device) for _ in range(32)]]
+    del kept
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    assert cached >= 80 * mib
+    # more than the device has: cudaMalloc fails, no cached block is large enough, so the
+    # allocator frees its whole cache and retries before it raises (a deterministic flush;
+    # a request sized to just fit depends on what the driver and other tests left free)
+    _, total = torch.cuda.mem_get_info(device)
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(total + 1024 * mib, dtype=torch.uint8, device=device)
+    m = dist.allocator_metrics(device)
+    stats = torch.cuda.memory_stats(device)
+    assert m["memory/allocator_flushes"] >= 1, (   # what the allocator did instead
+        torch.cuda.get_allocator_backend(), os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        {k: v for k, v in stats.items() if k.startswith(("num_", "segment.all", "reserved_bytes.all"))})
+    assert torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) < cached  # flushed
+    big = torch.empty(256 * mib, dtype=torch.uint8, device=device)
+    m = dist.allocator_metrics(device)
+    assert m["memory/allocator_flushes"] == 0       # only the flushes since the last call
+    assert m["memory/reserved_peak_gib"] * 2 ** 30 >= torch.cuda.memory_allocated(device)
+    dist.reset_peak_memory(device)
+    del big
+    torch.cuda.empty_cache()
+    after = dist.allocator_metrics(device)
+    assert after["memory/allocator_flushes"] == 0
+    assert after["memory/reserved_peak_gib"] >= m["memory/reserved_peak_gib"]
