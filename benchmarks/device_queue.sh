@@ -21,7 +21,8 @@ elif [ "$cmd" = run ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> $Q/out/progress.log 2>&1
   for mode in "$@"; do
     log "$mode start"
-    ${DEVICE_RUN:-bash benchmarks/device_run.sh} "$mode" $Q/out > $Q/out/$mode.log 2>&1; log "$mode done (rc $?)"
+    DEVICE_RUN_TEE=0 ${DEVICE_RUN:-bash benchmarks/device_run.sh} "$mode" $Q/out > $Q/out/$mode.log 2>&1
+    log "$mode done (rc $?)"
     # step3.py keeps its random models for reuse (40 GB after `largest`): a full disk failed the
     # next mode's build of DeepSpeed's CPU Adam, so each mode starts with them gone
     rm -rf "${STEP3_WORKDIR:-/tmp/dschat_step3_bench}"

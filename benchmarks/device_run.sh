@@ -39,7 +39,9 @@
 #   in training, checkpointed) with actor and critic at ZeRO-2 against ZeRO-3, and ZeRO-2 with
 #   every other block checkpointed, and ZeRO-3 with the allocator's cache emptied before training
 # load: loading saved weights for a bf16 engine in fp32 first against in bf16 (load_weights.py), at
-#   $LOAD_MODEL (llama-7b): a causal LM at ZeRO-2 and at ZeRO-3 offloaded, and a reward model
+#   $LOAD_MODEL (llama-7b): a causal LM at ZeRO-2 and at ZeRO-3 offloaded, and a reward model;
+#   LOAD_CASES="lm-zero2" runs one of them (at 7B the three take more than one 10-minute call;
+#   a warm machine keeps the written folders for the next call)
 # alloc: the CUDA tests of tests/test_phases.py, then bloom-560m step 3 (bf16 optimizer state,
 #   checkpointed, scored in training) with the caching allocator's expandable segments and without
 # big7bbf16: bloom-7b1 with a bloom-560m critic, 8 x (256 + 256), 20 steps, full fine-tuning with
@@ -63,6 +65,10 @@
 #   folder and the wheels of benchmarks/trl_wheels.sh in .whl-trl/ (or $TRL_WHEELS)
 set -uo pipefail
 what=${1:-gen}; out=${2:-/tmp/bench_out}; mkdir -p "$out"
+# everything printed also goes to OUT/MODE.log: a call stopped at its time limit still returns
+# what ran before the stop (a pipe into tail would lose it)
+# (device_queue.sh writes that file itself and sets DEVICE_RUN_TEE=0)
+[ "${DEVICE_RUN_TEE:-1}" = 1 ] && exec > >(tee -a "$out/$what.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 nvidia-smi -L
@@ -175,7 +181,8 @@ elif [ "$what" = zero2 ]; then
     --out "$out/step3_zero2.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = load ]; then
   # loading bf16 files for a bf16 engine in fp32 first against in bf16, at 7B (host memory: ~60 GB)
-  python3 benchmarks/load_weights.py --model ${LOAD_MODEL:-llama-7b} 2>&1 | grep --line-buffered -v -i warn
+  python3 benchmarks/load_weights.py --model ${LOAD_MODEL:-llama-7b} ${LOAD_CASES:+--cases $LOAD_CASES} 2>&1 \
+    | grep --line-buffered -v -i warn
 elif [ "$what" = alloc ]; then
   # the phase timer's and allocator counters' CUDA tests, then bloom-560m's fastest mode within
   # 16 GiB with the caching allocator's expandable segments against its default segments

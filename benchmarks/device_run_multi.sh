@@ -13,6 +13,7 @@
 #               plain single-GPU HF (bf16, fp32)
 set -uo pipefail
 what=${1:-correctness}; out=${2:-/tmp/bench_out}; n=${NGPU:-2}; mkdir -p "$out"
+exec > >(tee -a "$out/$what.log") 2>&1      # kept in OUT even when the call's limit stops the run
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0   # no NVLink multicast (KINDS.md)

@@ -5,6 +5,7 @@ by side in one run.
 
     python benchmarks/load_weights.py                          # TinyLlama-1.1B's shape, CPU
     python benchmarks/load_weights.py --model llama-7b         # needs about 60 GB of host memory
+    python benchmarks/load_weights.py --model llama-7b --cases lm-zero2    # one row of the three
 
 A causal LM (`create_hf_model`, HF's `from_pretrained`) at ZeRO-2 and at ZeRO-3 with its
 parameters offloaded, and a reward model folder (`load_reward_model`; the earlier load, a
@@ -28,8 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))       # this checkout's dschat and benchmarks
 from benchmarks.processes import run_single_rank  # noqa: E402
 
-CASES = (("causal LM, ZeRO-2", "lm", 2), ("causal LM, ZeRO-3, parameters offloaded", "lm", 3),
-         ("reward model, ZeRO-2", "reward", 2))
+# name on the command line (--cases): row label, folder kind, ZeRO stage
+CASES = {"lm-zero2": ("causal LM, ZeRO-2", "lm", 2),
+         "lm-zero3": ("causal LM, ZeRO-3, parameters offloaded", "lm", 3),
+         "reward-zero2": ("reward model, ZeRO-2", "reward", 2)}
 
 
 def config_of(stage: int) -> dict:
@@ -79,7 +82,7 @@ def load_once(kind: str, stage: int, ours: bool, folder: Path) -> dict:
             "checksum": touched}
 
 
-def write_folders(shape: str, workdir: Path) -> tuple[Path, Path]:
+def write_folders(shape: str, workdir: Path, kinds: set) -> tuple[Path, Path]:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from benchmarks.generation import PRESETS
@@ -89,9 +92,9 @@ def write_folders(shape: str, workdir: Path) -> tuple[Path, Path]:
     tokenizer = load_tokenizer(None)
     config = Path(shape) if Path(shape).is_file() else None
     cfg = AutoConfig.from_pretrained(str(config)) if config else AutoConfig.for_model(**PRESETS[shape])
-    if not (lm / "model.safetensors").exists():
+    if "lm" in kinds and not (lm / "model.safetensors").exists():
         AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(lm)
-    if not (reward / "model.safetensors").exists():
+    if "reward" in kinds and not (reward / "model.safetensors").exists():
         save_reward_model(RewardModel(AutoModel.from_config(cfg, dtype=torch.bfloat16),
                                       pad_token_id=tokenizer.pad_token_id), tokenizer, reward)
     return lm, reward
@@ -100,26 +103,29 @@ def write_folders(shape: str, workdir: Path) -> tuple[Path, Path]:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tinyllama-1.1b", help="a shape of benchmarks/generation.py, or a config.json")
-    p.add_argument("--workdir", default="/tmp/dschat_load_weights")
+    p.add_argument("--workdir", default="/tmp/dschat_load_weights",
+                   help="where the bf16 folders are written; kept, so a later run reuses them")
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                   help="which loads to compare (default: all), so a 7B run can be split across calls")
     p.add_argument("--one", nargs=4, help=argparse.SUPPRESS)      # KIND STAGE OURS FOLDER
     args = p.parse_args()
     if args.one:
         kind, stage, ours, folder = args.one
         print(json.dumps(load_once(kind, int(stage), ours == "1", Path(folder))))
         return
-    lm, reward = write_folders(args.model, Path(args.workdir))
-    rows = []
-    for name, kind, stage in CASES:
+    start = time.perf_counter()
+    lm, reward = write_folders(args.model, Path(args.workdir), {CASES[case][1] for case in args.cases})
+    print(f"loading {args.model} (bf16 files, written in {time.perf_counter() - start:.0f} s) for a bf16 "
+          "engine, one process per load, world size 1\n", flush=True)
+    print("| load | fp32 first: s | peak RSS GiB | training dtype (ours): s | peak RSS GiB | speed-up | same weights |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for case in args.cases:          # each row as soon as it is measured: a 7B row takes minutes
+        name, kind, stage = CASES[case]
         old, new = (run_single_rank(__file__, ["--one", kind, stage, "1" if ours else "0",
                                                lm if kind == "lm" else reward]) for ours in (False, True))
-        rows.append((name, old, new))
-    print(f"loading {args.model} (bf16 files) for a bf16 engine, one process per load, world size 1\n")
-    print("| load | fp32 first: s | peak RSS GiB | training dtype (ours): s | peak RSS GiB | speed-up | same weights |")
-    print("|---|---|---|---|---|---|---|")
-    for name, old, new in rows:
         print(f"| {name} | {old['seconds']:.1f} | {old['peak_rss_gib']:.2f} | {new['seconds']:.1f} | "
               f"{new['peak_rss_gib']:.2f} | {old['seconds'] / new['seconds']:.2f}x | "
-              f"{'yes' if old['checksum'] == new['checksum'] else 'NO'} |")
+              f"{'yes' if old['checksum'] == new['checksum'] else 'NO'} |", flush=True)
 
 
 if __name__ == "__main__":
