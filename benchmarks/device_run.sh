@@ -38,6 +38,8 @@
 # zero2: tests/test_phases.py's CUDA tests, then bloom-560m step 3 (bf16 optimizer state, scored
 #   in training, checkpointed) with actor and critic at ZeRO-2 against ZeRO-3, and ZeRO-2 with
 #   every other block checkpointed, and ZeRO-3 with the allocator's cache emptied before training
+# compile: bloom-560m step 3 at ZeRO-2 (bf16 optimizer state, checkpointed, scored in training) with
+#   --compile_blocks against eager, and half checkpointed compiled
 # load: loading saved weights for a bf16 engine in fp32 first against in bf16 (load_weights.py), at
 #   $LOAD_MODEL (llama-7b): a causal LM at ZeRO-2 and at ZeRO-3 offloaded, and a reward model;
 #   LOAD_CASES="lm-zero2" runs one of them (at 7B the three take more than one 10-minute call;
@@ -179,6 +181,14 @@ elif [ "$what" = zero2 ]; then
     "ours fast, bf16 optimizer, half checkpointed, scored in training, ZeRO-2" \
     "ours fast, bf16 optimizer, checkpointed, scored in training, cache emptied before training" \
     --out "$out/step3_zero2.md" 2>&1 | grep --line-buffered -v -i warn
+elif [ "$what" = compile ]; then
+  # bloom-560m's fastest mode within 16 GiB (ZeRO-2, checkpointed) with the trained models' blocks
+  # compiled for training against eager, then half checkpointed compiled; 3 warm-up steps (compiling)
+  python3 benchmarks/step3.py --preset bloom-560m --steps 6 --warmup 3 \
+    --modes "ours fast, bf16 optimizer, checkpointed, scored in training, ZeRO-2" \
+    "ours fast, bf16 optimizer, checkpointed, scored in training, ZeRO-2, compiled" \
+    "ours fast, bf16 optimizer, half checkpointed, scored in training, ZeRO-2, compiled" \
+    --out "$out/step3_compile.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = load ]; then
   # loading bf16 files for a bf16 engine in fp32 first against in bf16, at 7B (host memory: ~60 GB)
   python3 benchmarks/load_weights.py --model ${LOAD_MODEL:-llama-7b} ${LOAD_CASES:+--cases $LOAD_CASES} 2>&1 \

@@ -108,6 +108,11 @@ MODES = {
         HYBRID + BF16_OPTIMIZER + CHECKPOINTED + SCORED + ZERO2,
     "ours fast, bf16 optimizer, half checkpointed, scored in training, ZeRO-2":
         HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + SCORED + ZERO2,
+    # the same with the actor's and critic's blocks compiled for training (--compile_blocks)
+    "ours fast, bf16 optimizer, checkpointed, scored in training, ZeRO-2, compiled":
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + SCORED + ZERO2 + ["--compile_blocks"],
+    "ours fast, bf16 optimizer, half checkpointed, scored in training, ZeRO-2, compiled":
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + SCORED + ZERO2 + ["--compile_blocks"],
     # the step's phase timer synchronizing the GPU at every phase boundary (its earlier form)
     "ours fast, bf16 optimizer, checkpointed, phases synchronized": HYBRID + BF16_OPTIMIZER + CHECKPOINTED,
     # the caching allocator mapping memory into growable segments (PYTORCH_CUDA_ALLOC_CONF):

@@ -345,6 +345,12 @@ def add_step3_args(p: argparse.ArgumentParser) -> None:
                         "The PPO ratio is then exactly 1; both models' activations are alive together.")
     g.add_argument("--critic_gradient_checkpointing", action="store_true", help="Critic activation checkpointing.")
     add_checkpoint_every_n_layers_arg(g)
+    g.add_argument("--compile_blocks", action="store_true",
+                   help="torch.compile the transformer blocks of the actor and critic for their training "
+                        "forwards and backwards (scoring and generation stay eager): fewer kernels and less host "
+                        "work per block, where host time bounds small models' training on a GPU (the speed-up "
+                        "is not measured yet; benchmarks/RESULTS.md). The first step compiles (tens of "
+                        "seconds). Needs --actor_zero_stage and --critic_zero_stage <= 2.")
     g.add_argument("--actor_dropout", type=float, default=0.0,
                    help="Actor dropout (default 0.0, as upstream's step-3 scripts: with dropout the PPO "
                         "ratio is not 1 at the first micro-step); set it to train with the model's own.")

@@ -243,6 +243,9 @@ def step3_problems(args) -> list[str]:
     from dschat.rlhf.algorithm import uses_critic
     trained = (args.actor_zero_stage, args.critic_zero_stage) if uses_critic(args) else (args.actor_zero_stage,)
     out += _offload_knobs(args, trained)
+    if getattr(args, "compile_blocks", False) and 3 in trained:
+        out.append("--compile_blocks needs the trained models at ZeRO 0-2 (ZeRO-3 gathers parameters inside "
+                   "each block): --actor_zero_stage 2 --critic_zero_stage 2 on one node")
     if args.offload_reference_model and frozen_stage(args.reference_zero_stage, args.actor_zero_stage) != 3:
         out.append("--offload_reference_model needs the reference model at ZeRO-3: --actor_zero_stage 3 "
                    "(it follows the actor) or --reference_zero_stage 3; at stage 0 there is nothing to offload")

@@ -178,6 +178,47 @@ def enable_activation_checkpointing(model: nn.Module, every_n_layers: int = 1) -
     return sum(b.gradient_checkpointing for b in blocks)
 
 
+# keywords under which a block is handed a KV cache: such calls run the block as HF wrote it
+_CACHE_KWARGS = ("use_cache", "cache", "layer_past", "past_key_values", "past_key_value")
+
+
+def _compiled_training_forward(block: nn.Module, *args, **kwargs):
+    """A transformer block's forward: in training with gradients and no cache, its own forward
+    compiled by torch.compile (inside HF's activation checkpointing, which stays eager and
+    recomputes the compiled forward); anything else, the forward as HF wrote it."""
+    if not (block.training and torch.is_grad_enabled()) or any(kwargs.get(k) for k in _CACHE_KWARGS):
+        return type(block).forward(block, *args, **kwargs)
+    if block.gradient_checkpointing:
+        from functools import partial
+        return block._gradient_checkpointing_func(partial(block._dschat_compiled, block, **kwargs), *args)
+    return block._dschat_compiled(block, *args, **kwargs)
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """torch.compile each transformer block of `model` (a causal LM or the reward model) for its
+    training forwards and backwards: a block's elementwise work and norms fuse into fewer
+    kernels launched with less host work than eager autograd's, where host time bounds a small
+    model's training step on a GPU (benchmarks/RESULTS.md, table 11). One compiled function per
+    block class, shapes dynamic, so the 24 blocks of a model and every sequence length share
+    its graphs after the first step (which compiles: tens of seconds). Scoring and generation
+    (no gradients) run the blocks eagerly. Needs the parameters whole in each block (ZeRO
+    0-2): ZeRO-3's hooks gather them around calls inside the block. Returns how many blocks."""
+    import types
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    compiled = {}
+    for block in blocks:
+        cls = type(block)
+        if cls not in compiled:
+            # the class's own forward, without the checkpointing wrapper transformers adds
+            inner = getattr(cls.forward, "__wrapped__", cls.forward)
+            compiled[cls] = torch.compile(inner, dynamic=True)
+        block._dschat_compiled = compiled[cls]
+        block.forward = types.MethodType(_compiled_training_forward, block)   # deep copies rebind it
+    return len(blocks)
+
+
 def build_lm_engine(args, tokenizer, ds_config: dict, num_update_steps: int):
     """The DeepSpeed engine of a trained causal LM from step 1's flags (--model_name_or_path,
     --dropout, LoRA, --gradient_checkpointing, optimizer and LR schedule): step 1's model and

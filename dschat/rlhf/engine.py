@@ -18,7 +18,7 @@ from dschat.engine.config import eval_ds_config, frozen_stage, offload_options, 
 from dschat.engine.optim import build_lr_scheduler, build_optimizer
 from dschat.engine.zero import gathered, initialize_engine
 from dschat.models.lora import apply_lora
-from dschat.models.model_utils import create_hf_model, enable_activation_checkpointing
+from dschat.models.model_utils import compile_blocks, create_hf_model, enable_activation_checkpointing
 from dschat.models.reward_model import create_reward_model, load_reward_model
 from dschat.rlhf.ppo_math import ema_update_
 from dschat.utils import dist
@@ -109,6 +109,8 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
     actor = apply_lora(actor, args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
     if args.actor_gradient_checkpointing:
         enable_activation_checkpointing(actor, args.checkpoint_every_n_layers)
+    if args.compile_blocks:
+        print_rank_0(f"actor: {compile_blocks(actor)} blocks compiled for training (torch.compile)")
     opt = build_optimizer(actor, lr=args.actor_learning_rate, weight_decay=args.actor_weight_decay,
                           lora_lr=args.actor_lora_learning_rate, offload=args.offload,
                           adam_kernel=args.adam_kernel, optimizer_dtype=args.optimizer_dtype)
@@ -155,6 +157,8 @@ def build_rlhf_engines(args, tokenizer, num_total_iters: int, scheduler=None) ->
                                           args.critic_lora_module_name, args.only_optimize_lora)
         if args.critic_gradient_checkpointing:
             enable_activation_checkpointing(critic, args.checkpoint_every_n_layers)
+        if args.compile_blocks:
+            print_rank_0(f"critic: {compile_blocks(critic)} blocks compiled for training (torch.compile)")
         opt = build_optimizer(critic, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay,
                               lora_lr=args.critic_lora_learning_rate, offload=args.offload,
                               adam_kernel=args.adam_kernel, optimizer_dtype=args.optimizer_dtype)

@@ -45,6 +45,9 @@ class _SharedBias:
         self._alibi = self._mask = None
         self._bias = None
 
+    # never traced: the cache is Python state (torch.compile'd blocks run it eagerly between
+    # their graphs, models.model_utils.compile_blocks)
+    @torch.compiler.disable
     def get(self, alibi: torch.Tensor, mask: torch.Tensor | None, batch: int, heads: int,
             q_len: int, dtype: torch.dtype) -> torch.Tensor:
         if (self._bias is not None and self._alibi() is alibi
