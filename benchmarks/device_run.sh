@@ -38,7 +38,9 @@
 # zero2: tests/test_phases.py's CUDA tests, then bloom-560m step 3 (bf16 optimizer state, scored
 #   in training, checkpointed) with actor and critic at ZeRO-2 against ZeRO-3, and ZeRO-2 with
 #   every other block checkpointed, and ZeRO-3 with the allocator's cache emptied before training
-# compile: bloom-560m step 3 at ZeRO-2 (bf16 optimizer state, checkpointed, scored in training) with
+# compileblocks: the allocator counters' CUDA test, then bloom-560m's blocks' training forward and
+#   backward, eager against compiled (compile_blocks.py)
+# compile: compile_blocks.py, then bloom-560m step 3 at ZeRO-2 (bf16 optimizer state, checkpointed, scored in training) with
 #   --compile_blocks against eager, and half checkpointed compiled
 # load: loading saved weights for a bf16 engine in fp32 first against in bf16 (load_weights.py), at
 #   $LOAD_MODEL (llama-7b): a causal LM at ZeRO-2 and at ZeRO-3 offloaded, and a reward model;
@@ -181,7 +183,12 @@ elif [ "$what" = zero2 ]; then
     "ours fast, bf16 optimizer, half checkpointed, scored in training, ZeRO-2" \
     "ours fast, bf16 optimizer, checkpointed, scored in training, cache emptied before training" \
     --out "$out/step3_zero2.md" 2>&1 | grep --line-buffered -v -i warn
+elif [ "$what" = compileblocks ]; then
+  # the allocator counters' CUDA test, then bloom-560m's blocks alone, eager against compiled
+  python3 -m pytest -q -p no:cacheprovider tests/test_phases.py -k allocator 2>&1 | tail -4
+  python3 benchmarks/compile_blocks.py --out "$out/compile_blocks.md" 2>&1 | grep --line-buffered -v -i warn
 elif [ "$what" = compile ]; then
+  python3 benchmarks/compile_blocks.py --out "$out/compile_blocks.md" 2>&1 | grep --line-buffered -v -i warn
   # bloom-560m's fastest mode within 16 GiB (ZeRO-2, checkpointed) with the trained models' blocks
   # compiled for training against eager, then half checkpointed compiled; 3 warm-up steps (compiling)
   python3 benchmarks/step3.py --preset bloom-560m --steps 6 --warmup 3 \
