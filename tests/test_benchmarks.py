@@ -264,6 +264,30 @@ def test_load_weights_compares_both_loads_of_the_same_weights(tmp_path):
     assert len(rows) == 3 and all(row.endswith("| yes |") for row in rows), out
 
 
+def test_load_weights_runs_the_cases_asked_for(tmp_path):
+    """--cases: only those loads, and only the folders they read are written."""
+    out = run_python(REPO / "benchmarks" / "load_weights.py",
+                     ["--model", REPO / "configs/tiny/llama.json", "--workdir", tmp_path,
+                      "--cases", "lm-zero2"]).stdout
+    rows = [line for line in out.splitlines() if line.startswith(("| causal LM", "| reward model"))]
+    assert len(rows) == 1 and rows[0].startswith("| causal LM, ZeRO-2 |") and rows[0].endswith("| yes |"), out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-lm"]
+
+
+def test_compile_blocks_benchmark_compares_compiled_with_eager(tmp_path):
+    """benchmarks/compile_blocks.py at a tiny Bloom on CPU: four rows (eager and compiled,
+    checkpointed and not), the compiled rows' loss and gradients within fp32 rounding of eager's."""
+    table = tmp_path / "t.md"
+    run_python(REPO / "benchmarks" / "compile_blocks.py", ["--model", "tiny", "--batch", "2", "--tokens", "32",
+                                                          "--dtype", "fp32", "--repeats", "1", "--device", "cpu",
+                                                          "--out", table])
+    rows = [line.strip(" |").split(" | ") for line in table.read_text().splitlines()
+            if line.startswith(("| eager", "| compiled"))]
+    assert [r[0] for r in rows] == ["eager, checkpointed", "compiled, checkpointed", "eager, activations kept",
+                                    "compiled, activations kept"], rows
+    assert all(float(r[-1]) < 1e-5 for r in rows), rows
+
+
 def _zero_step_configs():
     spec = importlib.util.spec_from_file_location("zero_step_ops", REPO / "benchmarks" / "zero_step_ops.py")
     mod = importlib.util.module_from_spec(spec)
