@@ -39,6 +39,7 @@ LORA = ["--actor_lora_dim", "128", "--only_optimize_lora"]
 BF16_OPTIMIZER = ["--optimizer_dtype", "bf16"]
 HALF = ["--checkpoint_every_n_layers", "2"]
 SCORED = ["--score_in_training_forward"]     # old log-probs and values from the training forwards
+COMPILED = ["--compile_blocks"]               # actor's and critic's blocks compiled for training
 ZERO2 = ["--actor_zero_stage", "2", "--critic_zero_stage", "2"]     # after the default stage 3
 TWO_MICRO = ["--per_device_training_batch_size", "8", "--gradient_accumulation_steps", "2"]   # after --batch 16
 
@@ -110,9 +111,9 @@ MODES = {
         HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + SCORED + ZERO2,
     # the same with the actor's and critic's blocks compiled for training (--compile_blocks)
     "ours fast, bf16 optimizer, checkpointed, scored in training, ZeRO-2, compiled":
-        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + SCORED + ZERO2 + ["--compile_blocks"],
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + SCORED + ZERO2 + COMPILED,
     "ours fast, bf16 optimizer, half checkpointed, scored in training, ZeRO-2, compiled":
-        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + SCORED + ZERO2 + ["--compile_blocks"],
+        HYBRID + BF16_OPTIMIZER + CHECKPOINTED + HALF + SCORED + ZERO2 + COMPILED,
     # the step's phase timer synchronizing the GPU at every phase boundary (its earlier form)
     "ours fast, bf16 optimizer, checkpointed, phases synchronized": HYBRID + BF16_OPTIMIZER + CHECKPOINTED,
     # the caching allocator mapping memory into growable segments (PYTORCH_CUDA_ALLOC_CONF):

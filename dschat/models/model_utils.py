@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import types
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -189,7 +191,6 @@ def _compiled_training_forward(block: nn.Module, *args, **kwargs):
     if not (block.training and torch.is_grad_enabled()) or any(kwargs.get(k) for k in _CACHE_KWARGS):
         return type(block).forward(block, *args, **kwargs)
     if block.gradient_checkpointing:
-        from functools import partial
         return block._gradient_checkpointing_func(partial(block._dschat_compiled, block, **kwargs), *args)
     return block._dschat_compiled(block, *args, **kwargs)
 
@@ -203,8 +204,6 @@ def compile_blocks(model: nn.Module) -> int:
     its graphs after the first step (which compiles: tens of seconds). Scoring and generation
     (no gradients) run the blocks eagerly. Needs the parameters whole in each block (ZeRO
     0-2): ZeRO-3's hooks gather them around calls inside the block. Returns how many blocks."""
-    import types
-
     from transformers.modeling_layers import GradientCheckpointingLayer
     blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     compiled = {}
